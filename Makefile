@@ -1,0 +1,33 @@
+PY ?= python3
+VENV = .venv
+PYTEST_ARGS ?=
+
+.PHONY: venv test demo clean bench-recovery bench-idle
+
+venv: $(VENV)/.installed
+
+# Reinstall only when the project metadata changes.
+$(VENV)/.installed: pyproject.toml
+	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
+	$(VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(VENV)/bin/python -m pip install --quiet -e '.[dev]'
+	touch $@
+
+test: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
+	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+
+demo: venv
+	$(VENV)/bin/ql3 demo
+
+bench-recovery: venv
+	$(VENV)/bin/python -m benchmarks recovery
+
+bench-idle: venv
+	$(VENV)/bin/python -m benchmarks idle
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info .mypy_cache .ruff_cache .pytest_cache .hypothesis
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -1,0 +1,19 @@
+"""Page budgets shared by every bounded step."""
+
+from __future__ import annotations
+
+from application.ports import DEFAULT_PAGE_SIZE, HARD_PAGE_CAP
+
+
+class InvalidPageSize(ValueError):
+    """A page budget outside 1..HARD_PAGE_CAP."""
+
+
+def validate_page_size(page_size: int | None, default: int = DEFAULT_PAGE_SIZE) -> int:
+    """The page size to use: ``default`` when none is given; 1..64 otherwise."""
+    size = default if page_size is None else page_size
+    if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= HARD_PAGE_CAP:
+        raise InvalidPageSize(
+            f"page size must be an integer within 1..{HARD_PAGE_CAP}, got {size!r}"
+        )
+    return size

@@ -1,0 +1,136 @@
+"""Lost retry (DESIGN rule 3): settle ``lost`` Runs with the domain's pure builder, and turn due
+``retry_wait`` Runs into a fresh Attempt N+1."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from application.budgets import validate_page_size
+from application.ports import Identities, LostRetryCandidateSource, RunCandidate, UnitOfWorkFactory
+from domain.events import EventType
+from domain.model import AttemptStatus, RunOwner, RunStatus
+from domain.retry import settle_lost_run, start_next_attempt
+
+
+@dataclass(frozen=True, slots=True)
+class LostRetryReport:
+    failed: int = 0
+    retries_scheduled: int = 0
+    attempts_created: int = 0
+    moved_on: int = 0
+    has_more: bool = False
+
+    @property
+    def changed(self) -> int:
+        return self.failed + self.retries_scheduled + self.attempts_created
+
+    def counts(self) -> dict[str, int]:
+        return {
+            "failed": self.failed,
+            "retries_scheduled": self.retries_scheduled,
+            "attempts_created": self.attempts_created,
+            "moved_on": self.moved_on,
+            "has_more": int(self.has_more),
+        }
+
+
+class LostRetry:
+    """One bounded page of lost Runs (oldest first), then one of due retries. One short
+    transaction per candidate, the Attempt's advisory lock before the row locks.
+
+    Fail closed: any error (database, lock, state, persistence) propagates and ends the step at
+    that candidate. A broken head candidate is never skipped to go on with later ones."""
+
+    def __init__(
+        self,
+        uow_factory: UnitOfWorkFactory,
+        source: LostRetryCandidateSource,
+        identities: Identities,
+        page_size: int | None = None,
+    ) -> None:
+        self._uow_factory = uow_factory
+        self._source = source
+        self._identities = identities
+        self._page_size = validate_page_size(page_size)
+
+    @property
+    def page_size(self) -> int:
+        return self._page_size
+
+    def run_once(self, page_size: int | None = None) -> LostRetryReport:
+        limit = validate_page_size(page_size, default=self._page_size)
+        failed = scheduled = created = moved_on = 0
+        lost = self._source.lost_runs(limit)
+        for candidate in lost.items:
+            outcome = self._settle(candidate)
+            if outcome is EventType.RUN_FAILED:
+                failed += 1
+            elif outcome is EventType.RETRY_SCHEDULED:
+                scheduled += 1
+            else:
+                moved_on += 1
+        due = self._source.due_retries(limit)
+        for candidate in due.items:
+            if self._start_next(candidate):
+                created += 1
+            else:
+                moved_on += 1
+        return LostRetryReport(
+            failed=failed,
+            retries_scheduled=scheduled,
+            attempts_created=created,
+            moved_on=moved_on,
+            has_more=lost.has_more or due.has_more,
+        )
+
+    def _settle(self, candidate: RunCandidate) -> EventType | None:
+        with self._uow_factory() as uow:
+            snapshot = (
+                uow.runs.lock_attempt(candidate.attempt_id)
+                if candidate.attempt_id is not None
+                else uow.runs.lock_run(candidate.run_id)
+            )
+            if (
+                snapshot is None
+                or snapshot.attempt is None
+                or snapshot.run.id != candidate.run_id
+                or snapshot.run.status is not RunStatus.LOST
+                or snapshot.run.owner is not RunOwner.RUNTIME
+                or snapshot.attempt.status is not AttemptStatus.LOST
+                or snapshot.attempt.number != snapshot.run.attempt_count
+            ):
+                # Another replica settled it first, or a newer Attempt exists: re-checked under
+                # the locks, nothing to do.
+                return None
+            change = settle_lost_run(
+                run=snapshot.run, lost_attempt=snapshot.attempt, now_ms=uow.now_ms()
+            )
+            uow.runs.apply(snapshot, change)
+            uow.commit()
+            return change.event.type
+
+    def _start_next(self, candidate: RunCandidate) -> bool:
+        with self._uow_factory() as uow:
+            snapshot = (
+                uow.runs.lock_attempt(candidate.attempt_id)
+                if candidate.attempt_id is not None
+                else uow.runs.lock_run(candidate.run_id)
+            )
+            if snapshot is None or snapshot.run.id != candidate.run_id:
+                return False
+            run = snapshot.run
+            now_ms = uow.now_ms()
+            if (
+                run.status is not RunStatus.RETRY_WAIT
+                or run.owner is not RunOwner.RUNTIME
+                or run.next_attempt_at_ms is None
+                or run.next_attempt_at_ms > now_ms
+                or (snapshot.attempt is not None and snapshot.attempt.number != run.attempt_count)
+            ):
+                return False
+            change = start_next_attempt(
+                run=run, attempt_id=self._identities.new_id(), now_ms=now_ms
+            )
+            uow.runs.apply(snapshot, change)
+            uow.commit()
+            return True

@@ -1,0 +1,234 @@
+"""Ports: what the application needs from a store, typed in domain terms.
+
+Every store (memory, PostgreSQL, SQLite) implements all of them. A :class:`UnitOfWork` is one
+transaction: leaving its ``with`` block without :meth:`UnitOfWork.commit` rolls everything back.
+Writes are compare-and-set against the ``before`` values the transaction locked; a write that
+matches no row raises :class:`domain.errors.ConcurrencyConflict`, never succeeds silently.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Generic, Protocol, TypeVar
+
+from domain.events import RunEvent
+from domain.model import (
+    Attempt,
+    AttemptStatus,
+    DispatchLease,
+    Run,
+    RunStatus,
+    StopReport,
+    WorkerSession,
+)
+from domain.transitions import Change
+
+HARD_PAGE_CAP = 64
+DEFAULT_PAGE_SIZE = 16
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class Page(Generic[T]):
+    """One bounded page of candidates, read with ``limit + 1`` to learn ``has_more``.
+
+    ``observed_at_ms`` is the store's clock when the page was read (``statement_timestamp()``).
+    """
+
+    items: tuple[T, ...]
+    has_more: bool
+    observed_at_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class RecoveryCandidate:
+    """A runtime-owned Attempt whose lease is missing or expired. ``resolvable`` is the source's
+    view (never started, or not-running evidence exists); the resolution re-checks everything
+    under the locks."""
+
+    run_id: str
+    attempt_id: str
+    attempt_status: AttemptStatus
+    lease_expires_at_ms: int | None
+    resolvable: bool
+
+
+@dataclass(frozen=True, slots=True)
+class RunCandidate:
+    """A Run picked by a source, with its current (latest) Attempt, if it has one."""
+
+    run_id: str
+    attempt_id: str | None
+    since_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class QueuedAttempt:
+    run_id: str
+    attempt_id: str
+    task: str
+    queued_at_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class SessionCapacity:
+    session: WorkerSession
+    in_flight: int
+
+    @property
+    def free(self) -> int:
+        return max(0, self.session.capacity - self.in_flight)
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """A Run locked for change, with its current Attempt and that Attempt's lease (or the Run's
+    latest lease when the Attempt has none)."""
+
+    run: Run
+    attempt: Attempt | None
+    lease: DispatchLease | None
+
+
+@dataclass(frozen=True, slots=True)
+class StoredEvent:
+    sequence: int
+    event: RunEvent
+
+
+class RunRepository(Protocol):
+    """Runs, Attempts, leases and events inside one transaction (admission and dispatch)."""
+
+    def add(self, change: Change) -> None:
+        """Insert a newly admitted Run, its Attempts and its event."""
+
+    def lock_attempt(self, attempt_id: str) -> Snapshot | None:
+        """Take the Attempt's advisory lock, then row locks on Run, Attempt and lease."""
+
+    def lock_run(self, run_id: str) -> Snapshot | None:
+        """Lock a Run the same way, through its current Attempt when it has one."""
+
+    def apply(self, before: Snapshot, change: Change) -> None:
+        """Persist ``change`` as compare-and-set writes against ``before`` and append its one
+        event. Raises ``ConcurrencyConflict`` when any write matches no row."""
+
+    def renew_lease(self, before: DispatchLease, after: DispatchLease) -> None:
+        """Move only ``expires_at``; compare-and-set on generation, version, status, token hash
+        and ``expires_at`` still in the future by the store's clock. No event: not a state
+        change."""
+
+    def get_run(self, run_id: str) -> Run | None: ...
+
+    def get_attempt(self, attempt_id: str) -> Attempt | None: ...
+
+    def attempts_of(self, run_id: str) -> Sequence[Attempt]: ...
+
+    def leases_of(self, run_id: str) -> Sequence[DispatchLease]: ...
+
+    def events_of(self, run_id: str) -> Sequence[StoredEvent]: ...
+
+    def list_runs(self, status: RunStatus | None, limit: int) -> Sequence[Run]: ...
+
+
+class WorkerSessionRegistry(Protocol):
+    def get(self, session_id: str) -> WorkerSession | None: ...
+
+    def open_sessions_of(self, worker_id: str) -> Sequence[WorkerSession]:
+        """Active or draining sessions of a worker id, locked for update."""
+
+    def add(self, session: WorkerSession) -> None: ...
+
+    def update(self, before: WorkerSession, after: WorkerSession) -> None:
+        """Compare-and-set on the session's status."""
+
+    def offers_of(self, session_id: str) -> Sequence[tuple[Attempt, DispatchLease]]:
+        """Attempts leased to this session that are still ``claimed`` and not accepted."""
+
+
+class EvidenceRepository(Protocol):
+    def record(self, report: StopReport) -> None: ...
+
+    def reports_for(self, attempt_id: str) -> Sequence[StopReport]: ...
+
+
+class UnitOfWork(Protocol):
+    """One transaction. Rolls back unless :meth:`commit` was called."""
+
+    runs: RunRepository
+    sessions: WorkerSessionRegistry
+    evidence: EvidenceRepository
+
+    def now_ms(self) -> int:
+        """The store's clock, observed inside this transaction."""
+
+    def commit(self) -> None: ...
+
+    def __enter__(self) -> UnitOfWork: ...
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None: ...
+
+
+class UnitOfWorkFactory(Protocol):
+    def __call__(self) -> UnitOfWork: ...
+
+
+class RecoveryCandidateSource(Protocol):
+    def recovery_candidates(self, limit: int) -> Page[RecoveryCandidate]:
+        """One query: runtime-owned Runs in dispatching|running|lost whose non-pristine Attempt
+        is claimed|starting|running and whose lease is missing or expired by the store's clock.
+        Resolvable candidates come first, then by lease expiry. No cursor is kept."""
+
+
+class LostRetryCandidateSource(Protocol):
+    def lost_runs(self, limit: int) -> Page[RunCandidate]:
+        """Runtime-owned ``lost`` Runs, oldest first."""
+
+    def due_retries(self, limit: int) -> Page[RunCandidate]:
+        """Runtime-owned ``retry_wait`` Runs whose ``next_attempt_at_ms`` the store's clock
+        reached, earliest first."""
+
+
+class StartupCandidateSource(Protocol):
+    def orphaned_runs(self, limit: int) -> Page[RunCandidate]:
+        """Runtime-owned ``created`` Runs without an Attempt (startup recovery only)."""
+
+
+class DispatchSource(Protocol):
+    def queued_attempts(self, limit_per_task: int, tasks: Sequence[str]) -> Page[QueuedAttempt]:
+        """Pristine Attempts of ``queued`` Runs, oldest first within each task, at most
+        ``limit_per_task`` for each task named."""
+
+    def available_sessions(self, max_silence_ms: int) -> Sequence[SessionCapacity]:
+        """Active sessions whose last heartbeat is less than ``max_silence_ms`` old by the
+        store's clock, with their in-flight count (``leased`` leases they hold), by id."""
+
+
+class Identities(Protocol):
+    """Where new identifiers and secrets come from."""
+
+    def new_id(self) -> str: ...
+
+    def new_secret(self) -> str:
+        """A secret of at least 128 random bits."""
+
+
+class RuntimeStore(
+    RecoveryCandidateSource,
+    LostRetryCandidateSource,
+    StartupCandidateSource,
+    DispatchSource,
+    Protocol,
+):
+    """Everything a profile's composition root needs from one store."""
+
+    def unit_of_work(self) -> UnitOfWork: ...
+
+    def close(self) -> None: ...

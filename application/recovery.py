@@ -1,0 +1,111 @@
+"""Runtime recovery (every cycle) and startup recovery (at boot): one resolution, two drivers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from application.budgets import validate_page_size
+from application.ports import (
+    RecoveryCandidate,
+    RecoveryCandidateSource,
+    UnitOfWork,
+    UnitOfWorkFactory,
+)
+from domain.recovery import RecoveryHold, find_not_running_evidence, resolve_recovery
+
+
+@dataclass(frozen=True, slots=True)
+class RecoveryReport:
+    """Counts of one recovery pass over one page."""
+
+    examined: int = 0
+    recovered: int = 0
+    awaiting_evidence: int = 0
+    lease_live: int = 0
+    moved_on: int = 0
+    has_more: bool = False
+    observed_at_ms: int | None = None
+    recovered_attempt_ids: tuple[str, ...] = field(default=())
+
+    def counts(self) -> dict[str, int]:
+        return {
+            "examined": self.examined,
+            "recovered": self.recovered,
+            "awaiting_evidence": self.awaiting_evidence,
+            "lease_live": self.lease_live,
+            "moved_on": self.moved_on,
+            "has_more": int(self.has_more),
+        }
+
+
+def recover_candidate(uow: UnitOfWork, attempt_id: str) -> RecoveryHold | None:
+    """Resolve one candidate inside ``uow`` (locks first, then re-check, then write).
+
+    Returns None when the Attempt was recovered, else the reason it stays as it is. The caller
+    commits."""
+    snapshot = uow.runs.lock_attempt(attempt_id)
+    if snapshot is None or snapshot.attempt is None:
+        return RecoveryHold.NOT_A_CANDIDATE
+    attempt = snapshot.attempt
+    session = uow.sessions.get(attempt.session_id) if attempt.session_id else None
+    evidence = find_not_running_evidence(attempt, session, uow.evidence.reports_for(attempt.id))
+    resolution = resolve_recovery(
+        run=snapshot.run,
+        attempt=attempt,
+        lease=snapshot.lease,
+        evidence=evidence,
+        now_ms=uow.now_ms(),
+    )
+    if resolution.change is None:
+        return resolution.hold
+    uow.runs.apply(snapshot, resolution.change)
+    return None
+
+
+class RuntimeRecovery:
+    """DESIGN rule 1 and 2: each cycle, one bounded page of expired candidates, each resolved in
+    its own short transaction. No cursor or per-run state is kept between cycles. Any error ends
+    the pass (fail closed); the next cycle starts again from the store's view."""
+
+    def __init__(
+        self,
+        uow_factory: UnitOfWorkFactory,
+        source: RecoveryCandidateSource,
+        page_size: int | None = None,
+    ) -> None:
+        self._uow_factory = uow_factory
+        self._source = source
+        self._page_size = validate_page_size(page_size)
+
+    @property
+    def page_size(self) -> int:
+        return self._page_size
+
+    def run_once(self, page_size: int | None = None) -> RecoveryReport:
+        limit = validate_page_size(page_size, default=self._page_size)
+        page = self._source.recovery_candidates(limit)
+        tally = {hold: 0 for hold in RecoveryHold}
+        recovered: list[str] = []
+        for candidate in page.items:
+            hold = self._resolve(candidate)
+            if hold is None:
+                recovered.append(candidate.attempt_id)
+            else:
+                tally[hold] += 1
+        return RecoveryReport(
+            examined=len(page.items),
+            recovered=len(recovered),
+            awaiting_evidence=tally[RecoveryHold.AWAITING_EVIDENCE],
+            lease_live=tally[RecoveryHold.LEASE_LIVE],
+            moved_on=tally[RecoveryHold.NOT_A_CANDIDATE],
+            has_more=page.has_more,
+            observed_at_ms=page.observed_at_ms,
+            recovered_attempt_ids=tuple(recovered),
+        )
+
+    def _resolve(self, candidate: RecoveryCandidate) -> RecoveryHold | None:
+        with self._uow_factory() as uow:
+            hold = recover_candidate(uow, candidate.attempt_id)
+            if hold is None:
+                uow.commit()
+            return hold

@@ -1,0 +1,258 @@
+"""The one scheduler cadence: coordinators and the lifecycle that drives them.
+
+Production order (ADR-0232): runtime recovery -> lost retry -> trigger schedule -> workflow
+frontier -> task attempt admission. If recovery or lost retry fails, the rest of that cycle does
+not run: no new work is dispatched while the authority state is unknown.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+
+class StepReport(Protocol):
+    def counts(self) -> Mapping[str, int]: ...
+
+
+class SchedulerStep(Protocol):
+    """One step of the cadence: does a bounded amount of work and reports counts."""
+
+    def run_once(self) -> StepReport: ...
+
+
+@dataclass(frozen=True, slots=True)
+class EmptyReport:
+    def counts(self) -> Mapping[str, int]:
+        return {}
+
+
+class NoTriggerSchedule:
+    """Trigger schedule step for a deployment without triggers."""
+
+    def run_once(self) -> EmptyReport:
+        return EmptyReport()
+
+
+class NoWorkflowFrontier:
+    """Workflow frontier step for a deployment without workflows."""
+
+    def run_once(self) -> EmptyReport:
+        return EmptyReport()
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutcome:
+    name: str
+    counts: Mapping[str, int]
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+@dataclass(frozen=True, slots=True)
+class CycleSummary:
+    """What one cycle did, step by step. ``aborted_at`` names the step whose failure ended it."""
+
+    steps: tuple[StepOutcome, ...]
+    aborted_at: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.aborted_at is None
+
+    def step(self, name: str) -> StepOutcome | None:
+        return next((s for s in self.steps if s.name == name), None)
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "ok": self.ok,
+            "aborted_at": self.aborted_at,
+            "steps": [
+                {"name": s.name, "counts": dict(s.counts), "error": s.error} for s in self.steps
+            ],
+        }
+
+
+def _describe(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"
+
+
+def run_steps(steps: tuple[tuple[str, SchedulerStep], ...]) -> CycleSummary:
+    """Run the steps in order; the first failure ends the cycle and is reported."""
+    outcomes: list[StepOutcome] = []
+    for name, step in steps:
+        try:
+            report = step.run_once()
+        except Exception as error:  # fail closed: reported, the next cadence tries again
+            outcomes.append(StepOutcome(name=name, counts={}, error=_describe(error)))
+            return CycleSummary(steps=tuple(outcomes), aborted_at=name)
+        outcomes.append(StepOutcome(name=name, counts=dict(report.counts())))
+    return CycleSummary(steps=tuple(outcomes))
+
+
+class SchedulerCoordinator:
+    """The inner scheduler: trigger schedule -> workflow frontier -> task attempt admission."""
+
+    STEP_NAMES = ("trigger_schedule", "workflow_frontier", "task_attempt_admission")
+
+    def __init__(
+        self,
+        trigger_schedule: SchedulerStep,
+        workflow_frontier: SchedulerStep,
+        task_attempt_admission: SchedulerStep,
+    ) -> None:
+        self._steps: tuple[tuple[str, SchedulerStep], ...] = (
+            ("trigger_schedule", trigger_schedule),
+            ("workflow_frontier", workflow_frontier),
+            ("task_attempt_admission", task_attempt_admission),
+        )
+
+    @property
+    def steps(self) -> tuple[tuple[str, SchedulerStep], ...]:
+        return self._steps
+
+    def run_cycle(self) -> CycleSummary:
+        return run_steps(self._steps)
+
+
+class ClusterSchedulerCoordinator:
+    """Puts runtime recovery and lost retry in front of the inner scheduler coordinator.
+
+    It owns no timer, pool, connection, cursor or per-run state: only its collaborators."""
+
+    __slots__ = ("_inner", "_lost_retry", "_recovery")
+
+    STEP_NAMES = ("runtime_recovery", "lost_retry", *SchedulerCoordinator.STEP_NAMES)
+
+    def __init__(
+        self,
+        runtime_recovery: SchedulerStep,
+        lost_retry: SchedulerStep,
+        inner: SchedulerCoordinator,
+    ) -> None:
+        self._recovery = runtime_recovery
+        self._lost_retry = lost_retry
+        self._inner = inner
+
+    def run_cycle(self) -> CycleSummary:
+        return run_steps(
+            (
+                ("runtime_recovery", self._recovery),
+                ("lost_retry", self._lost_retry),
+                *self._inner.steps,
+            )
+        )
+
+
+class Coordinator(Protocol):
+    def run_cycle(self) -> CycleSummary: ...
+
+
+CycleListener = Callable[[CycleSummary], None]
+
+
+class ClusterSchedulerLifecycle:
+    """The only timer of a node: one thread that runs a cycle every ``cadence_s`` seconds.
+
+    Never two cycles at once. A wake-up during a cycle coalesces into exactly one follow-up
+    cycle. ``stop()`` waits for the running cycle, and no cycle starts after it."""
+
+    def __init__(
+        self,
+        coordinator: Coordinator,
+        cadence_s: float,
+        on_cycle: CycleListener | None = None,
+    ) -> None:
+        if cadence_s <= 0:
+            raise ValueError("cadence must be positive")
+        self._coordinator = coordinator
+        self._cadence_s = cadence_s
+        self._on_cycle = on_cycle
+        self._condition = threading.Condition()
+        self._wake_requested = False
+        self._running = False
+        self._stopped = False
+        self._thread: threading.Thread | None = None
+        self._cycles = 0
+        self._last: CycleSummary | None = None
+
+    @property
+    def cycles(self) -> int:
+        return self._cycles
+
+    @property
+    def last_summary(self) -> CycleSummary | None:
+        return self._last
+
+    def start(self) -> None:
+        with self._condition:
+            if self._stopped:
+                raise RuntimeError("a stopped lifecycle cannot start again")
+            if self._thread is not None:
+                return
+            self._thread = threading.Thread(
+                target=self._loop, name="ql3-scheduler", daemon=True
+            )
+            self._thread.start()
+
+    def wake(self) -> None:
+        """Ask for a cycle now; several wake-ups during a cycle make one follow-up cycle."""
+        with self._condition:
+            self._wake_requested = True
+            self._condition.notify_all()
+
+    def run_cycle_now(self) -> CycleSummary | None:
+        """Run one cycle in the caller's thread unless one is running (then it coalesces into
+        the follow-up cycle and None is returned). Never runs after ``stop()``."""
+        with self._condition:
+            if self._stopped:
+                return None
+            if self._running:
+                self._wake_requested = True
+                self._condition.notify_all()
+                return None
+            self._running = True
+        return self._run_one()
+
+    def stop(self, timeout: float | None = None) -> None:
+        with self._condition:
+            self._stopped = True
+            self._condition.notify_all()
+            thread = self._thread
+            while self._running and thread is None:
+                self._condition.wait()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+
+    def _run_one(self) -> CycleSummary:
+        try:
+            summary = self._coordinator.run_cycle()
+            self._last = summary
+            self._cycles += 1
+        finally:
+            with self._condition:
+                self._running = False
+                self._condition.notify_all()
+        if self._on_cycle is not None:
+            with contextlib.suppress(Exception):  # a listener never stops the cadence
+                self._on_cycle(summary)
+        return summary
+
+    def _loop(self) -> None:
+        while True:
+            with self._condition:
+                if not self._wake_requested and not self._stopped:
+                    self._condition.wait(timeout=self._cadence_s)
+                while self._running and not self._stopped:
+                    self._condition.wait()
+                if self._stopped:
+                    return
+                self._wake_requested = False
+                self._running = True
+            self._run_one()

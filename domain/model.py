@@ -1,0 +1,229 @@
+"""Entities and value objects: Run, Attempt, DispatchLease, WorkerSession, evidence."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from typing import TypeAlias
+
+from attrs import field, frozen, validators
+
+from domain.policy import RetryPolicy
+
+JsonValue: TypeAlias = (
+    bool | int | float | str | list["JsonValue"] | dict[str, "JsonValue"] | None
+)
+
+
+class RunStatus(enum.Enum):
+    CREATED = "created"
+    QUEUED = "queued"
+    DISPATCHING = "dispatching"
+    RUNNING = "running"
+    LOST = "lost"
+    RETRY_WAIT = "retry_wait"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def is_terminal(self) -> bool:
+        return self in TERMINAL_RUN_STATUSES
+
+
+TERMINAL_RUN_STATUSES = frozenset({RunStatus.SUCCEEDED, RunStatus.FAILED, RunStatus.CANCELLED})
+
+
+class AttemptStatus(enum.Enum):
+    CLAIMED = "claimed"
+    STARTING = "starting"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    LOST = "lost"
+    CANCELLED = "cancelled"
+
+    @property
+    def is_terminal(self) -> bool:
+        return self in TERMINAL_ATTEMPT_STATUSES
+
+    @property
+    def is_started(self) -> bool:
+        """Past the start barrier: external side effects may have begun."""
+        return self in (AttemptStatus.STARTING, AttemptStatus.RUNNING)
+
+
+TERMINAL_ATTEMPT_STATUSES = frozenset(
+    {
+        AttemptStatus.SUCCEEDED,
+        AttemptStatus.FAILED,
+        AttemptStatus.LOST,
+        AttemptStatus.CANCELLED,
+    }
+)
+
+
+class LeaseStatus(enum.Enum):
+    LEASED = "leased"
+    RELEASED = "released"
+
+
+class ReleaseReason(enum.Enum):
+    COMPLETED = "completed"
+    LEASE_EXPIRED = "lease_expired"
+    CANCELLED = "cancelled"
+    ABANDONED = "abandoned"
+
+
+class RunOwner(enum.Enum):
+    """Who drives a Run. Only ``runtime`` Runs are recovered and retried by the runtime."""
+
+    RUNTIME = "runtime"
+    WORKFLOW = "workflow"
+
+
+class SessionStatus(enum.Enum):
+    ACTIVE = "active"
+    DRAINING = "draining"
+    CLOSED = "closed"
+    REPLACED = "replaced"
+
+
+class EvidenceKind(enum.Enum):
+    """The trusted facts that show a started Attempt is no longer executing."""
+
+    SESSION_CLOSED = "session_closed"
+    SESSION_REPLACED = "session_replaced"
+    WORKER_ABANDONED = "worker_abandoned"
+    OPERATOR_ATTESTED = "operator_attested"
+
+
+def _non_empty(_instance: object, attribute: object, value: str) -> None:
+    if not value:
+        raise ValueError(f"{getattr(attribute, 'name', 'value')} must not be empty")
+
+
+@frozen(kw_only=True)
+class Run:
+    """A unit of work admitted by a caller. Its retry policy is a snapshot taken at admission."""
+
+    id: str = field(validator=_non_empty)
+    task: str = field(validator=_non_empty)
+    owner: RunOwner
+    status: RunStatus
+    input: JsonValue = None
+    policy: RetryPolicy | None = None
+    attempt_count: int = field(default=0, validator=validators.ge(0))
+    next_attempt_at_ms: int | None = None
+    output: JsonValue = None
+    error: str | None = None
+    parent_run_id: str | None = None
+    created_at_ms: int
+    updated_at_ms: int
+
+
+@frozen(kw_only=True)
+class Attempt:
+    """One execution of a Run. Numbers of a Run's Attempts are 1..N, contiguous."""
+
+    id: str = field(validator=_non_empty)
+    run_id: str = field(validator=_non_empty)
+    number: int = field(validator=validators.ge(1))
+    status: AttemptStatus
+    session_id: str | None = None
+    worker_id: str | None = None
+    lease_generation: int | None = None
+    lease_version: int | None = None
+    offered_at_ms: int | None = None
+    accepted_at_ms: int | None = None
+    started_at_ms: int | None = None
+    finished_at_ms: int | None = None
+    lost_evidence: EvidenceKind | None = None
+    error: str | None = None
+    created_at_ms: int
+    updated_at_ms: int
+
+    @property
+    def is_pristine(self) -> bool:
+        """A claimed dispatch slot with no worker, session, offer, lease or start facts."""
+        return (
+            self.status is AttemptStatus.CLAIMED
+            and self.session_id is None
+            and self.worker_id is None
+            and self.lease_generation is None
+            and self.offered_at_ms is None
+            and self.accepted_at_ms is None
+            and self.started_at_ms is None
+        )
+
+
+@frozen(kw_only=True)
+class DispatchLease:
+    """The fenced authority to execute one Attempt. One per (run, generation).
+
+    ``version`` changes only when the authority changes (release, reassignment); a renewal only
+    moves ``expires_at_ms``. The token itself is secret: only its hash is kept.
+    """
+
+    run_id: str
+    attempt_id: str
+    generation: int = field(validator=validators.ge(1))
+    version: int = field(validator=validators.ge(1))
+    status: LeaseStatus
+    holder_session_id: str
+    token_hash: str | None
+    expires_at_ms: int
+    granted_at_ms: int
+    release_reason: ReleaseReason | None = None
+    released_at_ms: int | None = None
+
+    def is_live(self, now_ms: int) -> bool:
+        return self.status is LeaseStatus.LEASED and self.expires_at_ms > now_ms
+
+
+@frozen(kw_only=True)
+class WorkerSession:
+    """A registered worker process. A worker id names one execution slot: a new session with the
+    same worker id means the process behind the older session is gone."""
+
+    id: str = field(validator=_non_empty)
+    worker_id: str = field(validator=_non_empty)
+    status: SessionStatus
+    capacity: int = field(validator=validators.ge(1))
+    tasks: tuple[str, ...]
+    secret_hash: str
+    registered_at_ms: int
+    last_heartbeat_at_ms: int
+    closed_at_ms: int | None = None
+
+    @property
+    def accepts_work(self) -> bool:
+        return self.status is SessionStatus.ACTIVE
+
+
+@frozen(kw_only=True)
+class StopReport:
+    """A recorded statement that an Attempt stopped executing: the worker's own abandon report or
+    an operator's attestation."""
+
+    attempt_id: str
+    kind: EvidenceKind
+    reported_at_ms: int
+    detail: str = ""
+
+
+@frozen(kw_only=True)
+class NotRunningEvidence:
+    """Trusted proof that a started Attempt no longer executes anywhere."""
+
+    attempt_id: str
+    kind: EvidenceKind
+    observed_at_ms: int
+    detail: str = ""
+
+    def as_data(self) -> Mapping[str, JsonValue]:
+        return {
+            "evidence": self.kind.value,
+            "evidence_observed_at_ms": self.observed_at_ms,
+            "evidence_detail": self.detail,
+        }

@@ -1,0 +1,149 @@
+"""Recovery of Attempts whose lease authority is gone: the candidate predicate, not-running
+evidence and the resolution shared by startup and runtime recovery."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+
+from attrs import frozen
+
+from domain.model import (
+    Attempt,
+    AttemptStatus,
+    DispatchLease,
+    EvidenceKind,
+    LeaseStatus,
+    NotRunningEvidence,
+    ReleaseReason,
+    Run,
+    RunOwner,
+    RunStatus,
+    SessionStatus,
+    StopReport,
+    WorkerSession,
+)
+from domain.transitions import Change, mark_lost
+
+RECOVERABLE_RUN_STATUSES = frozenset({RunStatus.DISPATCHING, RunStatus.RUNNING, RunStatus.LOST})
+RECOVERABLE_ATTEMPT_STATUSES = frozenset(
+    {AttemptStatus.CLAIMED, AttemptStatus.STARTING, AttemptStatus.RUNNING}
+)
+
+
+class RecoveryHold(enum.Enum):
+    """Why a candidate was left as it is."""
+
+    NOT_A_CANDIDATE = "not_a_candidate"
+    LEASE_LIVE = "lease_live"
+    AWAITING_EVIDENCE = "awaiting_evidence"
+
+
+def lease_authority_gone(attempt: Attempt, lease: DispatchLease | None, now_ms: int) -> bool:
+    """The Attempt's own lease (its exact generation) is missing, released or expired."""
+    if (
+        lease is None
+        or lease.attempt_id != attempt.id
+        or lease.generation != attempt.lease_generation
+    ):
+        return True
+    return lease.status is LeaseStatus.RELEASED or lease.expires_at_ms <= now_ms
+
+
+def is_recovery_candidate(
+    run: Run, attempt: Attempt, lease: DispatchLease | None, now_ms: int
+) -> bool:
+    """DESIGN rule 1: a runtime-owned Run in dispatching|running|lost whose non-pristine Attempt
+    is claimed|starting|running and whose lease is missing or expired by the store's clock."""
+    return (
+        run.owner is RunOwner.RUNTIME
+        and run.status in RECOVERABLE_RUN_STATUSES
+        and attempt.run_id == run.id
+        and attempt.status in RECOVERABLE_ATTEMPT_STATUSES
+        and not attempt.is_pristine
+        and lease_authority_gone(attempt, lease, now_ms)
+    )
+
+
+def find_not_running_evidence(
+    attempt: Attempt,
+    session: WorkerSession | None,
+    reports: Iterable[StopReport],
+) -> NotRunningEvidence | None:
+    """The first trusted not-running fact about ``attempt``: a recorded stop report (the worker's
+    abandon or an operator's attestation), else a closed or replaced holder session."""
+    for report in sorted(reports, key=lambda r: r.reported_at_ms):
+        if report.attempt_id == attempt.id:
+            return NotRunningEvidence(
+                attempt_id=attempt.id,
+                kind=report.kind,
+                observed_at_ms=report.reported_at_ms,
+                detail=report.detail,
+            )
+    if session is not None and session.id == attempt.session_id:
+        if session.status is SessionStatus.CLOSED:
+            kind = EvidenceKind.SESSION_CLOSED
+        elif session.status is SessionStatus.REPLACED:
+            kind = EvidenceKind.SESSION_REPLACED
+        else:
+            return None
+        return NotRunningEvidence(
+            attempt_id=attempt.id,
+            kind=kind,
+            observed_at_ms=session.closed_at_ms or session.last_heartbeat_at_ms,
+            detail=f"session {session.id} of worker {session.worker_id} is {session.status.value}",
+        )
+    return None
+
+
+def is_resolvable(attempt: Attempt, evidence: NotRunningEvidence | None) -> bool:
+    """A candidate that recovery can settle now: never started, or started with evidence."""
+    return not attempt.status.is_started or evidence is not None
+
+
+@frozen(kw_only=True)
+class RecoveryResolution:
+    """Either a change to persist, or the reason the candidate stays as it is."""
+
+    change: Change | None
+    hold: RecoveryHold | None
+
+    @property
+    def recovered(self) -> bool:
+        return self.change is not None
+
+
+def resolve_recovery(
+    *,
+    run: Run,
+    attempt: Attempt,
+    lease: DispatchLease | None,
+    evidence: NotRunningEvidence | None,
+    now_ms: int,
+) -> RecoveryResolution:
+    """Resolve one candidate, re-checked under the store's locks.
+
+    An expired ``claimed`` Attempt is lost. An expired ``starting|running`` Attempt is lost only
+    with trusted not-running evidence; otherwise it stays as it is (fail closed).
+    """
+    if not is_recovery_candidate(run, attempt, lease, now_ms):
+        own_live = (
+            lease is not None
+            and lease.attempt_id == attempt.id
+            and lease.generation == attempt.lease_generation
+            and lease.is_live(now_ms)
+        )
+        hold = RecoveryHold.LEASE_LIVE if own_live else RecoveryHold.NOT_A_CANDIDATE
+        return RecoveryResolution(change=None, hold=hold)
+    if not is_resolvable(attempt, evidence):
+        return RecoveryResolution(change=None, hold=RecoveryHold.AWAITING_EVIDENCE)
+    change = mark_lost(
+        run=run,
+        attempt=attempt,
+        lease=lease,
+        evidence=evidence,
+        release_reason=ReleaseReason.LEASE_EXPIRED,
+        now_ms=now_ms,
+        cause="lease_expired",
+    )
+    return RecoveryResolution(change=change, hold=None)

@@ -1,0 +1,144 @@
+"""The lost-retry builder: a pure, profile-neutral decision for a Run whose Attempt was lost."""
+
+from __future__ import annotations
+
+import enum
+
+from attrs import evolve, frozen
+
+from domain.errors import InvalidTransition, NotDue
+from domain.events import EventType, RunEvent
+from domain.model import Attempt, AttemptStatus, Run, RunOwner, RunStatus
+from domain.policy import RETRYABLE_SAFETY, RetryPolicy, Safety
+from domain.transitions import Change
+
+
+class LostFailureReason(enum.Enum):
+    """Why a lost Run was failed instead of retried, in the order the rules are checked."""
+
+    NO_POLICY = "no_policy"
+    RETRY_ON_LOST_DISABLED = "retry_on_lost_disabled"
+    MAX_ATTEMPTS_TOO_LOW = "max_attempts_too_low"
+    SAFETY_UNDECLARED = "safety_undeclared"
+    UNSAFE = "unsafe"
+    ATTEMPTS_EXHAUSTED = "attempts_exhausted"
+
+
+@frozen(kw_only=True)
+class LostRetryDecision:
+    failure: LostFailureReason | None
+    next_attempt_at_ms: int | None
+
+    @property
+    def retry(self) -> bool:
+        return self.failure is None
+
+
+def decide_lost_retry(
+    *, run_id: str, policy: RetryPolicy | None, lost_attempt_number: int, now_ms: int
+) -> LostRetryDecision:
+    """Ordered rules: no policy, retry disabled, max attempts too low, safety undeclared or
+    unsafe, attempts exhausted -> fail; only idempotent|deduplicated with attempts left retry."""
+    failure: LostFailureReason | None = None
+    if policy is None:
+        failure = LostFailureReason.NO_POLICY
+    elif not policy.retry_on_lost:
+        failure = LostFailureReason.RETRY_ON_LOST_DISABLED
+    elif policy.max_attempts < 2:
+        failure = LostFailureReason.MAX_ATTEMPTS_TOO_LOW
+    elif policy.safety is None:
+        failure = LostFailureReason.SAFETY_UNDECLARED
+    elif policy.safety is Safety.UNSAFE or policy.safety not in RETRYABLE_SAFETY:
+        failure = LostFailureReason.UNSAFE
+    elif lost_attempt_number >= policy.max_attempts:
+        failure = LostFailureReason.ATTEMPTS_EXHAUSTED
+    if failure is not None or policy is None:
+        return LostRetryDecision(failure=failure, next_attempt_at_ms=None)
+    delay = policy.backoff.delay_ms(run_id, lost_attempt_number)
+    return LostRetryDecision(failure=None, next_attempt_at_ms=now_ms + delay)
+
+
+def is_lost_retry_candidate(run: Run) -> bool:
+    return run.owner is RunOwner.RUNTIME and run.status is RunStatus.LOST
+
+
+def settle_lost_run(*, run: Run, lost_attempt: Attempt, now_ms: int) -> Change:
+    """Apply the decision: ``lost`` -> ``failed`` or ``lost`` -> ``retry_wait``."""
+    if not is_lost_retry_candidate(run):
+        raise InvalidTransition("run", run.id, run.status.value, "settle a lost attempt")
+    if (
+        lost_attempt.run_id != run.id
+        or lost_attempt.status is not AttemptStatus.LOST
+        or lost_attempt.number != run.attempt_count
+    ):
+        raise InvalidTransition(
+            "attempt", lost_attempt.id, lost_attempt.status.value, "decide a lost retry"
+        )
+    decision = decide_lost_retry(
+        run_id=run.id, policy=run.policy, lost_attempt_number=lost_attempt.number, now_ms=now_ms
+    )
+    if decision.failure is not None:
+        new_run = evolve(
+            run,
+            status=RunStatus.FAILED,
+            error=f"attempt {lost_attempt.number} lost: {decision.failure.value}",
+            updated_at_ms=now_ms,
+        )
+        event = RunEvent(
+            run_id=run.id,
+            attempt_id=lost_attempt.id,
+            type=EventType.RUN_FAILED,
+            at_ms=now_ms,
+            data={"reason": decision.failure.value, "lost_attempt": lost_attempt.number},
+        )
+    else:
+        new_run = evolve(
+            run,
+            status=RunStatus.RETRY_WAIT,
+            next_attempt_at_ms=decision.next_attempt_at_ms,
+            updated_at_ms=now_ms,
+        )
+        event = RunEvent(
+            run_id=run.id,
+            attempt_id=lost_attempt.id,
+            type=EventType.RETRY_SCHEDULED,
+            at_ms=now_ms,
+            data={
+                "next_attempt_at_ms": decision.next_attempt_at_ms,
+                "next_attempt": lost_attempt.number + 1,
+            },
+        )
+    return Change(run=new_run, attempts=(), lease=None, event=event)
+
+
+def start_next_attempt(*, run: Run, attempt_id: str, now_ms: int) -> Change:
+    """When the store's clock reaches ``next_attempt_at_ms``: a fresh, unleased Attempt N+1 and
+    the Run ``queued``. Nothing of the lost Attempt is carried over."""
+    if run.status is not RunStatus.RETRY_WAIT or run.owner is not RunOwner.RUNTIME:
+        raise InvalidTransition("run", run.id, run.status.value, "start its next attempt")
+    if run.next_attempt_at_ms is None or now_ms < run.next_attempt_at_ms:
+        raise NotDue(f"run {run.id} is due at {run.next_attempt_at_ms}, now {now_ms}")
+    number = run.attempt_count + 1
+    attempt = Attempt(
+        id=attempt_id,
+        run_id=run.id,
+        number=number,
+        status=AttemptStatus.CLAIMED,
+        created_at_ms=now_ms,
+        updated_at_ms=now_ms,
+    )
+    new_run = evolve(
+        run,
+        status=RunStatus.QUEUED,
+        attempt_count=number,
+        next_attempt_at_ms=None,
+        updated_at_ms=now_ms,
+    )
+    event = RunEvent(
+        run_id=run.id,
+        attempt_id=attempt.id,
+        type=EventType.ATTEMPT_CREATED,
+        at_ms=now_ms,
+        data={"number": number},
+    )
+    return Change(run=new_run, attempts=(attempt,), lease=None, event=event)
