@@ -6,10 +6,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from application.budgets import validate_page_size
-from application.ports import Identities, LostRetryCandidateSource, RunCandidate, UnitOfWorkFactory
+from application.ports import (
+    Identities,
+    LostRetryCandidateSource,
+    RunCandidate,
+    Snapshot,
+    UnitOfWork,
+    UnitOfWorkFactory,
+)
 from domain.events import EventType
 from domain.model import AttemptStatus, RunOwner, RunStatus
-from domain.retry import settle_lost_run, start_next_attempt
+from domain.retry import is_lost_retry_candidate, settle_lost_run, start_next_attempt
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +69,8 @@ class LostRetry:
         failed = scheduled = created = moved_on = 0
         lost = self._source.lost_runs(limit)
         for candidate in lost.items:
-            outcome = self._settle(candidate)
+            with self._uow_factory() as uow:
+                outcome = settle_lost_candidate(uow, candidate)
             if outcome is EventType.RUN_FAILED:
                 failed += 1
             elif outcome is EventType.RETRY_SCHEDULED:
@@ -71,7 +79,9 @@ class LostRetry:
                 moved_on += 1
         due = self._source.due_retries(limit)
         for candidate in due.items:
-            if self._start_next(candidate):
+            with self._uow_factory() as uow:
+                started = start_due_retry(uow, candidate, self._identities)
+            if started:
                 created += 1
             else:
                 moved_on += 1
@@ -83,54 +93,53 @@ class LostRetry:
             has_more=lost.has_more or due.has_more,
         )
 
-    def _settle(self, candidate: RunCandidate) -> EventType | None:
-        with self._uow_factory() as uow:
-            snapshot = (
-                uow.runs.lock_attempt(candidate.attempt_id)
-                if candidate.attempt_id is not None
-                else uow.runs.lock_run(candidate.run_id)
-            )
-            if (
-                snapshot is None
-                or snapshot.attempt is None
-                or snapshot.run.id != candidate.run_id
-                or snapshot.run.status is not RunStatus.LOST
-                or snapshot.run.owner is not RunOwner.RUNTIME
-                or snapshot.attempt.status is not AttemptStatus.LOST
-                or snapshot.attempt.number != snapshot.run.attempt_count
-            ):
-                # Another replica settled it first, or a newer Attempt exists: re-checked under
-                # the locks, nothing to do.
-                return None
-            change = settle_lost_run(
-                run=snapshot.run, lost_attempt=snapshot.attempt, now_ms=uow.now_ms()
-            )
-            uow.runs.apply(snapshot, change)
-            uow.commit()
-            return change.event.type
 
-    def _start_next(self, candidate: RunCandidate) -> bool:
-        with self._uow_factory() as uow:
-            snapshot = (
-                uow.runs.lock_attempt(candidate.attempt_id)
-                if candidate.attempt_id is not None
-                else uow.runs.lock_run(candidate.run_id)
-            )
-            if snapshot is None or snapshot.run.id != candidate.run_id:
-                return False
-            run = snapshot.run
-            now_ms = uow.now_ms()
-            if (
-                run.status is not RunStatus.RETRY_WAIT
-                or run.owner is not RunOwner.RUNTIME
-                or run.next_attempt_at_ms is None
-                or run.next_attempt_at_ms > now_ms
-                or (snapshot.attempt is not None and snapshot.attempt.number != run.attempt_count)
-            ):
-                return False
-            change = start_next_attempt(
-                run=run, attempt_id=self._identities.new_id(), now_ms=now_ms
-            )
-            uow.runs.apply(snapshot, change)
-            uow.commit()
-            return True
+def _lock_candidate(uow: UnitOfWork, candidate: RunCandidate) -> Snapshot | None:
+    snapshot = (
+        uow.runs.lock_attempt(candidate.attempt_id)
+        if candidate.attempt_id is not None
+        else uow.runs.lock_run(candidate.run_id)
+    )
+    if snapshot is None or snapshot.run.id != candidate.run_id:
+        return None
+    return snapshot
+
+
+def settle_lost_candidate(uow: UnitOfWork, candidate: RunCandidate) -> EventType | None:
+    """Settle one ``lost`` Run inside ``uow`` and commit; returns the event type written, or
+    None when the Run, re-checked under the locks, is no longer a candidate."""
+    snapshot = _lock_candidate(uow, candidate)
+    if (
+        snapshot is None
+        or snapshot.attempt is None
+        or not is_lost_retry_candidate(snapshot.run)
+        or snapshot.attempt.status is not AttemptStatus.LOST
+        or snapshot.attempt.number != snapshot.run.attempt_count
+    ):
+        # Another replica settled it first, or a newer Attempt exists.
+        return None
+    change = settle_lost_run(run=snapshot.run, lost_attempt=snapshot.attempt, now_ms=uow.now_ms())
+    uow.runs.apply(snapshot, change)
+    uow.commit()
+    return change.event.type
+
+
+def start_due_retry(uow: UnitOfWork, candidate: RunCandidate, identities: Identities) -> bool:
+    """Create Attempt N+1 for one due ``retry_wait`` Run inside ``uow`` and commit."""
+    snapshot = _lock_candidate(uow, candidate)
+    if snapshot is None:
+        return False
+    run = snapshot.run
+    now_ms = uow.now_ms()
+    if (
+        run.status is not RunStatus.RETRY_WAIT
+        or run.owner is not RunOwner.RUNTIME
+        or run.next_attempt_at_ms is None
+        or run.next_attempt_at_ms > now_ms
+        or (snapshot.attempt is not None and snapshot.attempt.number != run.attempt_count)
+    ):
+        return False
+    change = start_next_attempt(run=run, attempt_id=identities.new_id(), now_ms=now_ms)
+    uow.runs.apply(snapshot, change)
+    uow.commit()
+    return True

@@ -1,26 +1,39 @@
-"""Startup recovery: what a profile runs once at boot, before its scheduler starts."""
+"""Startup recovery: what a profile runs once at boot, before its scheduler starts.
+
+It drives the very same resolutions as the Cluster's runtime recovery and lost retry
+(``recover_candidate``, ``settle_lost_candidate``, ``start_due_retry``), so the two can never
+disagree, with the profile's own page budget."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 from application.budgets import validate_page_size
-from application.lost_retry import LostRetry
-from application.ports import Identities, StartupCandidateSource, UnitOfWorkFactory
-from application.recovery import RuntimeRecovery
+from application.lost_retry import settle_lost_candidate, start_due_retry
+from application.ports import (
+    Identities,
+    LostRetryCandidateSource,
+    RecoveryCandidateSource,
+    StartupCandidateSource,
+    UnitOfWorkFactory,
+)
+from application.recovery import recover_candidate
 from domain.errors import InvalidTransition
+from domain.events import EventType
+from domain.recovery import RecoveryHold
 from domain.transitions import create_first_attempt
 
 
 @dataclass(frozen=True, slots=True)
 class StartupReport:
-    orphans_queued: int
-    recovered: int
-    awaiting_evidence: int
-    lost_failed: int
-    retries_scheduled: int
-    attempts_created: int
-    passes: int
+    orphans_queued: int = 0
+    recovered: int = 0
+    awaiting_evidence: int = 0
+    lost_failed: int = 0
+    retries_scheduled: int = 0
+    attempts_created: int = 0
+    pages: int = 0
 
     def counts(self) -> dict[str, int]:
         return {
@@ -30,63 +43,44 @@ class StartupReport:
             "lost_failed": self.lost_failed,
             "retries_scheduled": self.retries_scheduled,
             "attempts_created": self.attempts_created,
-            "passes": self.passes,
+            "pages": self.pages,
         }
 
 
 class StartupRecovery:
-    """At boot: give orphaned ``created`` Runs their first Attempt, then drain recovery and lost
-    retry page by page with the profile's page budget. Uses the very same resolution as the
-    runtime recovery, so the two can never disagree."""
+    """At boot: orphaned ``created`` Runs get their first Attempt; then expired candidates are
+    resolved and lost Runs settled, page by page, until a page makes no progress."""
 
     def __init__(
         self,
         uow_factory: UnitOfWorkFactory,
-        orphans: StartupCandidateSource,
-        recovery: RuntimeRecovery,
-        lost_retry: LostRetry,
+        source: StartupSourceLike,
         identities: Identities,
         page_size: int | None = None,
-        max_passes: int = 10_000,
+        max_pages: int = 100_000,
     ) -> None:
         self._uow_factory = uow_factory
-        self._orphans = orphans
-        self._recovery = recovery
-        self._lost_retry = lost_retry
+        self._source = source
         self._identities = identities
         self._page_size = validate_page_size(page_size)
-        self._max_passes = max_passes
+        self._max_pages = max_pages
+
+    @property
+    def page_size(self) -> int:
+        return self._page_size
 
     def run(self) -> StartupReport:
-        orphans = self._queue_orphans()
-        recovered = awaiting = failed = scheduled = created = passes = 0
-        while passes < self._max_passes:
-            passes += 1
-            rec = self._recovery.run_once(self._page_size)
-            retry = self._lost_retry.run_once(self._page_size)
-            recovered += rec.recovered
-            awaiting = rec.awaiting_evidence
-            failed += retry.failed
-            scheduled += retry.retries_scheduled
-            created += retry.attempts_created
-            progressed = rec.recovered + retry.changed
-            more = rec.has_more or retry.has_more
-            if not progressed or not more:
+        counts = dict.fromkeys(StartupReport().counts(), 0)
+        self._queue_orphans(counts)
+        for _ in range(self._max_pages):
+            counts["pages"] += 1
+            if not self._one_page(counts):
                 break
-        return StartupReport(
-            orphans_queued=orphans,
-            recovered=recovered,
-            awaiting_evidence=awaiting,
-            lost_failed=failed,
-            retries_scheduled=scheduled,
-            attempts_created=created,
-            passes=passes,
-        )
+        return StartupReport(**counts)
 
-    def _queue_orphans(self) -> int:
-        queued = 0
-        for _ in range(self._max_passes):
-            page = self._orphans.orphaned_runs(self._page_size)
+    def _queue_orphans(self, counts: dict[str, int]) -> None:
+        for _ in range(self._max_pages):
+            page = self._source.orphaned_runs(self._page_size)
             for candidate in page.items:
                 with self._uow_factory() as uow:
                     snapshot = uow.runs.lock_run(candidate.run_id)
@@ -100,8 +94,46 @@ class StartupRecovery:
                         continue
                     uow.runs.apply(snapshot, change)
                     uow.commit()
-                    queued += 1
+                    counts["orphans_queued"] += 1
             if not page.has_more or not page.items:
-                break
-        return queued
+                return
 
+    def _one_page(self, counts: dict[str, int]) -> bool:
+        """One page of each kind; True while something changed and more may be waiting."""
+        progressed = 0
+        recovery = self._source.recovery_candidates(self._page_size)
+        awaiting = 0
+        for candidate in recovery.items:
+            with self._uow_factory() as uow:
+                hold = recover_candidate(uow, candidate.attempt_id)
+                if hold is None:
+                    uow.commit()
+                    counts["recovered"] += 1
+                    progressed += 1
+                elif hold is RecoveryHold.AWAITING_EVIDENCE:
+                    awaiting += 1
+        counts["awaiting_evidence"] = awaiting
+        lost = self._source.lost_runs(self._page_size)
+        for run_candidate in lost.items:
+            with self._uow_factory() as uow:
+                outcome = settle_lost_candidate(uow, run_candidate)
+            if outcome is EventType.RUN_FAILED:
+                counts["lost_failed"] += 1
+                progressed += 1
+            elif outcome is EventType.RETRY_SCHEDULED:
+                counts["retries_scheduled"] += 1
+                progressed += 1
+        due = self._source.due_retries(self._page_size)
+        for run_candidate in due.items:
+            with self._uow_factory() as uow:
+                if start_due_retry(uow, run_candidate, self._identities):
+                    counts["attempts_created"] += 1
+                    progressed += 1
+        more = recovery.has_more or lost.has_more or due.has_more
+        return bool(progressed) and more
+
+
+class StartupSourceLike(
+    StartupCandidateSource, RecoveryCandidateSource, LostRetryCandidateSource, Protocol
+):
+    """The candidate sources startup recovery reads."""

@@ -1,0 +1,281 @@
+"""The ``ql3`` command line. Errors print one line on stderr: exit 2 for bad input or usage,
+1 for not found or failure; never a traceback."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, NoReturn
+
+import click
+
+from application.admission import UnknownRun
+from application.budgets import InvalidPageSize
+from application.worker_commands import UnknownAttempt
+from domain.errors import DomainError
+from domain.model import RunStatus
+from domain.policy import Backoff, RetryPolicy, Safety
+
+
+class Failure(Exception):
+    """A failure reported with exit status 1."""
+
+
+def _fail_usage(message: str) -> NoReturn:
+    raise click.UsageError(message)
+
+
+def _database_url(value: str | None) -> str:
+    url = value or os.environ.get("QL3_DATABASE_URL")
+    if not url:
+        _fail_usage("no database: pass --database-url or set QL3_DATABASE_URL")
+    if not url.startswith(("postgresql+psycopg://", "postgresql://")):
+        _fail_usage("the database URL must start with postgresql+psycopg://")
+    return url.replace("postgresql://", "postgresql+psycopg://", 1)
+
+
+database_option = click.option(
+    "--database-url", "database_url", default=None, help="Defaults to $QL3_DATABASE_URL."
+)
+json_option = click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")
+
+
+@contextmanager
+def _cluster(database_url: str | None, **settings: Any) -> Iterator[Any]:
+    from bootstrap import cluster
+
+    container = cluster.build(database_url=_database_url(database_url), **settings)
+    try:
+        yield container
+    finally:
+        container.store().close()
+
+
+def _emit(as_json: bool, document: object, text: Callable[[], None]) -> None:
+    if as_json:
+        click.echo(json.dumps(document, sort_keys=True, default=str))
+    else:
+        text()
+
+
+@click.group()
+def cli() -> None:
+    """QL3 runtime: durable execution with safe recovery of lost work."""
+
+
+@cli.command()
+@click.option("--lease-ttl", default=30.0, show_default=True, help="Lease TTL in the story.")
+def demo(lease_ttl: float) -> None:
+    """Tell the recovery story: a worker dies mid-task."""
+    from adapters.cli.demo import run_demo
+
+    run_demo(click.echo, lease_ttl_s=lease_ttl)
+
+
+@cli.group()
+def db() -> None:
+    """Database administration."""
+
+
+@db.command("upgrade")
+@database_option
+def db_upgrade(database_url: str | None) -> None:
+    """Apply the schema migrations."""
+    from adapters.postgres.migrate import current_revision, upgrade
+
+    url = _database_url(database_url)
+    upgrade(url)
+    click.echo(f"database at revision {current_revision(url)}")
+
+
+@cli.command()
+@click.argument("task")
+@click.option("--input", "input_json", default="null", help="The run's JSON input.")
+@click.option("--safety", type=click.Choice([s.value for s in Safety]), default=None)
+@click.option("--retry-on-lost", is_flag=True)
+@click.option("--max-attempts", type=int, default=None)
+@click.option("--backoff-initial", type=float, default=None, help="Seconds.")
+@database_option
+@json_option
+def submit(
+    task: str,
+    input_json: str,
+    safety: str | None,
+    retry_on_lost: bool,
+    max_attempts: int | None,
+    backoff_initial: float | None,
+    database_url: str | None,
+    as_json: bool,
+) -> None:
+    """Admit a run of TASK."""
+    try:
+        payload = json.loads(input_json)
+    except json.JSONDecodeError as error:
+        _fail_usage(f"--input is not JSON: {error.msg}")
+    policy: RetryPolicy | None = None
+    if safety or retry_on_lost or max_attempts is not None or backoff_initial is not None:
+        if backoff_initial is not None and backoff_initial < 0:
+            _fail_usage("--backoff-initial must be >= 0")
+        initial_ms = round((backoff_initial if backoff_initial is not None else 1.0) * 1000)
+        policy = RetryPolicy(
+            retry_on_lost=retry_on_lost,
+            max_attempts=max_attempts if max_attempts is not None else 1,
+            safety=Safety(safety) if safety else None,
+            backoff=Backoff(initial_ms=initial_ms, cap_ms=max(initial_ms, 300_000)),
+        )
+    with _cluster(database_url) as container:
+        run_id = container.core.admission().submit(task, payload, policy)
+    _emit(as_json, {"run_id": run_id}, lambda: click.echo(run_id))
+
+
+@cli.group()
+def runs() -> None:
+    """Inspect runs."""
+
+
+@runs.command("list")
+@click.option("--status", type=click.Choice([s.value for s in RunStatus]), default=None)
+@click.option("--limit", type=click.IntRange(1, 10_000), default=100, show_default=True)
+@database_option
+@json_option
+def runs_list(status: str | None, limit: int, database_url: str | None, as_json: bool) -> None:
+    """List runs, oldest first."""
+    from application.queries import RunQueries
+
+    with _cluster(database_url) as container:
+        found = RunQueries(container.store().unit_of_work).list(
+            RunStatus(status) if status else None, limit
+        )
+    rows = [
+        {"id": r.id, "task": r.task, "status": r.status.value, "attempts": r.attempt_count}
+        for r in found
+    ]
+
+    def text() -> None:
+        for row in rows:
+            click.echo(f"{row['id']}  {row['status']:<11} {row['attempts']:>3}  {row['task']}")
+
+    _emit(as_json, {"runs": rows}, text)
+
+
+@runs.command("show")
+@click.argument("run_id")
+@database_option
+@json_option
+def runs_show(run_id: str, database_url: str | None, as_json: bool) -> None:
+    """Show a run, its attempts with their leases, and its events."""
+    from application.queries import RunQueries
+
+    with _cluster(database_url) as container:
+        view = RunQueries(container.store().unit_of_work).show(run_id)
+    if view is None:
+        raise UnknownRun(run_id)
+    document = view.as_dict()
+
+    def text() -> None:
+        click.echo(f"run {view.run.id}  task {view.run.task}  status {view.run.status.value}")
+        if view.run.error:
+            click.echo(f"  error: {view.run.error}")
+        for a in view.attempts:
+            lease = a.lease
+            lease_text = (
+                f"lease gen {lease.generation} v{lease.version} {lease.status.value}"
+                + (f" ({lease.release_reason.value})" if lease.release_reason else "")
+                if lease
+                else "no lease"
+            )
+            click.echo(f"  attempt {a.attempt.number} {a.attempt.status.value:<9} {lease_text}")
+            if a.awaiting_evidence_since_ms is not None:
+                click.echo(
+                    "    waiting for not-running evidence since "
+                    f"{_iso(a.awaiting_evidence_since_ms)}"
+                )
+        for seq, kind, at, _attempt, _data in view.events:
+            click.echo(f"  event {seq:>6} {_iso(at)} {kind}")
+
+    _emit(as_json, document, text)
+
+
+def _iso(ms: int) -> str:
+    from datetime import UTC, datetime
+
+    return datetime.fromtimestamp(ms / 1000, tz=UTC).isoformat(timespec="milliseconds")
+
+
+@cli.group()
+def scheduler() -> None:
+    """The Cluster scheduler cadence."""
+
+
+@scheduler.command("tick")
+@database_option
+@json_option
+def scheduler_tick(database_url: str | None, as_json: bool) -> None:
+    """Run one Cluster cadence cycle and print each step's counts."""
+    with _cluster(database_url) as container:
+        summary = container.coordinator().run_cycle()
+    document = summary.as_dict()
+
+    def text() -> None:
+        for step in summary.steps:
+            counts = ", ".join(f"{k}={v}" for k, v in step.counts.items())
+            click.echo(
+                f"{step.name:<24} {counts}" + (f"  ERROR {step.error}" if step.error else "")
+            )
+
+    _emit(as_json, document, text)
+    if not summary.ok:
+        raise Failure(f"cycle aborted at {summary.aborted_at}")
+
+
+@cli.group()
+def attempts() -> None:
+    """Operator actions on attempts."""
+
+
+@attempts.command("attest-stopped")
+@click.argument("attempt_id")
+@click.option("--reason", required=True, help="Why you know the attempt no longer runs.")
+@database_option
+def attempts_attest_stopped(attempt_id: str, reason: str, database_url: str | None) -> None:
+    """Attest that ATTEMPT_ID no longer executes anywhere (not-running evidence)."""
+    with _cluster(database_url) as container:
+        container.core.worker_commands().attest_stopped(attempt_id, reason)
+    click.echo(f"attested: attempt {attempt_id} is not running")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``ql3`` console script."""
+    try:
+        cli.main(args=argv, prog_name="ql3", standalone_mode=False)
+    except click.exceptions.Exit as done:
+        return int(done.exit_code or 0)
+    except click.Abort:
+        click.echo("ql3: aborted", err=True)
+        return 1
+    except click.ClickException as error:
+        click.echo(f"ql3: {error.format_message()}", err=True)
+        return 2
+    except (DomainError, InvalidPageSize, ValueError) as error:
+        click.echo(f"ql3: {error}", err=True)
+        return 2
+    except (UnknownRun, UnknownAttempt) as error:
+        click.echo(f"ql3: not found: {error}", err=True)
+        return 1
+    except Failure as error:
+        click.echo(f"ql3: {error}", err=True)
+        return 1
+    except Exception as error:  # database unreachable and the like: one line, no traceback
+        click.echo(
+            f"ql3: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}",
+            err=True,
+        )
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

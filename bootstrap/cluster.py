@@ -1,0 +1,79 @@
+"""The Cluster profile: state in PostgreSQL, several scheduler replicas, remote workers.
+
+Runtime recovery and lost retry run in front of the scheduler, in the one cadence driven by
+:class:`ClusterSchedulerLifecycle`. This is the only composition root that loads the PostgreSQL
+adapter."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dependency_injector import containers, providers
+
+from application.lost_retry import LostRetry
+from application.ports import RuntimeStore
+from application.recovery import RuntimeRecovery
+from application.scheduler import ClusterSchedulerCoordinator, ClusterSchedulerLifecycle
+from application.startup import StartupRecovery
+from bootstrap.core import DEFAULTS, RuntimeCoreContainer
+
+CLUSTER_DEFAULTS: dict[str, object] = {
+    **DEFAULTS,
+    "recovery_page_size": 16,
+    "lost_retry_page_size": 16,
+    "startup_page_size": 64,
+    "pool_size": 5,
+}
+
+
+def open_postgres_store(database_url: str, pool_size: int) -> RuntimeStore:
+    from adapters.postgres.store import PostgresStore
+
+    return PostgresStore.from_url(database_url, pool_size=pool_size)
+
+
+class ClusterContainer(containers.DeclarativeContainer):
+    config = providers.Configuration()
+    store = providers.Singleton(open_postgres_store, config.database_url, config.pool_size)
+    core = providers.Container(RuntimeCoreContainer, config=config, store=store)
+
+    runtime_recovery = providers.Singleton(
+        RuntimeRecovery,
+        uow_factory=store.provided.unit_of_work,
+        source=store,
+        page_size=config.recovery_page_size,
+    )
+    lost_retry = providers.Singleton(
+        LostRetry,
+        uow_factory=store.provided.unit_of_work,
+        source=store,
+        identities=core.identities,
+        page_size=config.lost_retry_page_size,
+    )
+    startup_recovery = providers.Singleton(
+        StartupRecovery,
+        uow_factory=store.provided.unit_of_work,
+        source=store,
+        identities=core.identities,
+        page_size=config.startup_page_size,
+    )
+    coordinator = providers.Singleton(
+        ClusterSchedulerCoordinator,
+        runtime_recovery=runtime_recovery,
+        lost_retry=lost_retry,
+        inner=core.scheduler,
+    )
+    lifecycle = providers.Singleton(
+        ClusterSchedulerLifecycle,
+        coordinator=coordinator,
+        cadence_s=config.cadence_s,
+    )
+
+
+def build(store: RuntimeStore | None = None, **settings: Any) -> ClusterContainer:
+    """A Cluster container. ``database_url`` is required unless a ``store`` is given (tests)."""
+    container = ClusterContainer()
+    container.config.from_dict({**CLUSTER_DEFAULTS, **settings})
+    if store is not None:
+        container.store.override(providers.Object(store))
+    return container

@@ -1,0 +1,60 @@
+"""Providers every profile shares: admission, the worker protocol and the inner scheduler.
+
+A profile container extends :class:`RuntimeCoreContainer` and provides ``store``."""
+
+from __future__ import annotations
+
+from dependency_injector import containers, providers
+
+from application.admission import Admission
+from application.dispatch import TaskAttemptAdmission
+from application.identities import RandomIdentities
+from application.scheduler import NoTriggerSchedule, NoWorkflowFrontier, SchedulerCoordinator
+from application.worker_commands import WorkerCommands
+
+DEFAULTS: dict[str, object] = {
+    "lease_ttl_s": 30.0,
+    "cadence_s": 1.0,
+    "session_silence_s": 30.0,
+    "dispatch_page_size": 16,
+}
+
+
+def seconds_to_ms(seconds: float) -> int:
+    return max(1, round(float(seconds) * 1000))
+
+
+class RuntimeCoreContainer(containers.DeclarativeContainer):
+    config = providers.Configuration()
+    store = providers.Dependency()
+
+    identities = providers.Singleton(RandomIdentities)
+    lease_ttl_ms = providers.Callable(seconds_to_ms, config.lease_ttl_s)
+    session_silence_ms = providers.Callable(seconds_to_ms, config.session_silence_s)
+
+    admission = providers.Singleton(
+        Admission, uow_factory=store.provided.unit_of_work, identities=identities
+    )
+    worker_commands = providers.Singleton(
+        WorkerCommands,
+        uow_factory=store.provided.unit_of_work,
+        identities=identities,
+        lease_ttl_ms=lease_ttl_ms,
+    )
+
+    trigger_schedule = providers.Singleton(NoTriggerSchedule)
+    workflow_frontier = providers.Singleton(NoWorkflowFrontier)
+    task_attempt_admission = providers.Singleton(
+        TaskAttemptAdmission,
+        uow_factory=store.provided.unit_of_work,
+        source=store,
+        lease_ttl_ms=lease_ttl_ms,
+        max_silence_ms=session_silence_ms,
+        page_size=config.dispatch_page_size,
+    )
+    scheduler = providers.Singleton(
+        SchedulerCoordinator,
+        trigger_schedule=trigger_schedule,
+        workflow_frontier=workflow_frontier,
+        task_attempt_admission=task_attempt_admission,
+    )
