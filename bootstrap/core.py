@@ -9,6 +9,7 @@ from dependency_injector import containers, providers
 from application.admission import Admission
 from application.dispatch import TaskAttemptAdmission
 from application.identities import RandomIdentities
+from application.ports import RuntimeStore
 from application.scheduler import NoTriggerSchedule, NoWorkflowFrontier, SchedulerCoordinator
 from application.worker_commands import WorkerCommands
 
@@ -26,7 +27,7 @@ def seconds_to_ms(seconds: float) -> int:
 
 class RuntimeCoreContainer(containers.DeclarativeContainer):
     config = providers.Configuration()
-    store = providers.Dependency()
+    store: providers.Dependency[RuntimeStore] = providers.Dependency()
 
     identities = providers.Singleton(RandomIdentities)
     lease_ttl_ms = providers.Callable(seconds_to_ms, config.lease_ttl_s)
