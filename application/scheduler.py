@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
@@ -177,6 +178,7 @@ class ClusterSchedulerLifecycle:
         self._condition = threading.Condition()
         self._wake_requested = False
         self._running = False
+        self._cycle_thread: int | None = None
         self._stopped = False
         self._thread: threading.Thread | None = None
         self._cycles = 0
@@ -208,8 +210,9 @@ class ClusterSchedulerLifecycle:
             self._condition.notify_all()
 
     def run_cycle_now(self) -> CycleSummary | None:
-        """Run one cycle in the caller's thread unless one is running (then it coalesces into
-        the follow-up cycle and None is returned). Never runs after ``stop()``."""
+        """Run a cycle in the caller's thread unless one is running (then it coalesces into one
+        follow-up cycle and None is returned). Without a timer thread, the caller also runs
+        the follow-up cycles requested meanwhile. Never runs after ``stop()``."""
         with self._condition:
             if self._stopped:
                 return None
@@ -217,18 +220,35 @@ class ClusterSchedulerLifecycle:
                 self._wake_requested = True
                 self._condition.notify_all()
                 return None
-            self._running = True
-        return self._run_one()
+            self._begin_cycle()
+        summary = self._run_one()
+        while True:
+            with self._condition:
+                if self._thread is not None or self._stopped or not self._wake_requested:
+                    return summary
+                self._begin_cycle()
+            summary = self._run_one()
 
     def stop(self, timeout: float | None = None) -> None:
+        """No cycle starts after this; waits for the running cycle, whoever runs it."""
         with self._condition:
             self._stopped = True
             self._condition.notify_all()
-            thread = self._thread
-            while self._running and thread is None:
+            me = threading.get_ident()
+            while self._running and self._cycle_thread not in (me, self._timer_ident()):
                 self._condition.wait()
+            thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
+
+    def _timer_ident(self) -> int | None:
+        return self._thread.ident if self._thread is not None else None
+
+    def _begin_cycle(self) -> None:
+        """Called with the condition held."""
+        self._wake_requested = False
+        self._running = True
+        self._cycle_thread = threading.get_ident()
 
     def _run_one(self) -> CycleSummary:
         try:
@@ -238,6 +258,7 @@ class ClusterSchedulerLifecycle:
         finally:
             with self._condition:
                 self._running = False
+                self._cycle_thread = None
                 self._condition.notify_all()
         if self._on_cycle is not None:
             with contextlib.suppress(Exception):  # a listener never stops the cadence
@@ -247,12 +268,15 @@ class ClusterSchedulerLifecycle:
     def _loop(self) -> None:
         while True:
             with self._condition:
-                if not self._wake_requested and not self._stopped:
-                    self._condition.wait(timeout=self._cadence_s)
+                deadline = time.monotonic() + self._cadence_s
+                while not self._wake_requested and not self._stopped:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        break
+                    self._condition.wait(remaining)
                 while self._running and not self._stopped:
                     self._condition.wait()
                 if self._stopped:
                     return
-                self._wake_requested = False
-                self._running = True
+                self._begin_cycle()
             self._run_one()

@@ -17,9 +17,9 @@ from domain.model import (
     EvidenceKind,
     JsonValue,
     SessionStatus,
-    StopReport,
     WorkerSession,
 )
+from domain.recovery import report_stopped
 from domain.sessions import close, drain, heartbeat, register_session
 from domain.transitions import Change, abandon, accept, activate, complete, mark_running, renew
 
@@ -283,16 +283,15 @@ class WorkerCommands:
                 if rejected.reason is not FenceReason.EXPIRED:
                     raise
                 check_holder(lease, fence)
-                if snapshot.attempt.status.is_terminal:
-                    raise
-                uow.evidence.record(
-                    StopReport(
-                        attempt_id=snapshot.attempt.id,
-                        kind=EvidenceKind.WORKER_ABANDONED,
-                        reported_at_ms=now_ms,
-                        detail=detail[:500],
-                    )
+                report, audit = report_stopped(
+                    run=snapshot.run,
+                    attempt=snapshot.attempt,
+                    kind=EvidenceKind.WORKER_ABANDONED,
+                    detail=detail[:500],
+                    now_ms=now_ms,
                 )
+                uow.evidence.record(report)
+                uow.runs.apply(snapshot, audit)
                 uow.commit()
                 return AbandonOutcome(outcome="recorded")
             uow.runs.apply(snapshot, change)
@@ -306,18 +305,15 @@ class WorkerCommands:
         with self._uow_factory() as uow:
             snapshot = self._lock(uow, attempt_id)
             assert snapshot.attempt is not None
-            if snapshot.attempt.status.is_terminal:
-                raise InvalidAdmission(
-                    f"attempt {attempt_id} is {snapshot.attempt.status.value}: nothing to attest"
-                )
-            uow.evidence.record(
-                StopReport(
-                    attempt_id=attempt_id,
-                    kind=EvidenceKind.OPERATOR_ATTESTED,
-                    reported_at_ms=uow.now_ms(),
-                    detail=reason.strip()[:500],
-                )
+            report, audit = report_stopped(
+                run=snapshot.run,
+                attempt=snapshot.attempt,
+                kind=EvidenceKind.OPERATOR_ATTESTED,
+                detail=reason.strip()[:500],
+                now_ms=uow.now_ms(),
             )
+            uow.evidence.record(report)
+            uow.runs.apply(snapshot, audit)
             uow.commit()
 
     # --- helpers ------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ class EventType(enum.Enum):
     RETRY_SCHEDULED = "retry_scheduled"
     RUN_FAILED = "run_failed"
     RUN_CANCELLED = "run_cancelled"
+    EVIDENCE_RECORDED = "evidence_recorded"
 
 
 def _freeze(value: Mapping[str, JsonValue]) -> Mapping[str, JsonValue]:

@@ -46,7 +46,12 @@ class Backoff:
     def delay_ms(self, run_id: str, attempt_number: int) -> int:
         """Delay before the attempt that follows ``attempt_number``."""
         exponent = max(attempt_number - 1, 0)
-        base = min(float(self.cap_ms), self.initial_ms * self.multiplier**exponent)
+        base = float(self.initial_ms)
+        for _ in range(exponent):  # stops growing at the cap: no overflow for large numbers
+            if base >= self.cap_ms or self.multiplier == 1.0:
+                break
+            base *= self.multiplier
+        base = min(float(self.cap_ms), base)
         if self.jitter:
             digest = hashlib.sha256(f"{run_id}:{attempt_number}".encode()).digest()
             fraction = int.from_bytes(digest[:8], "big") / 2**64  # in [0, 1)

@@ -8,6 +8,8 @@ from collections.abc import Iterable
 
 from attrs import frozen
 
+from domain.errors import InvalidTransition
+from domain.events import EventType, RunEvent
 from domain.model import (
     Attempt,
     AttemptStatus,
@@ -147,3 +149,24 @@ def resolve_recovery(
         cause="lease_expired",
     )
     return RecoveryResolution(change=change, hold=None)
+
+
+def report_stopped(
+    *, run: Run, attempt: Attempt, kind: EvidenceKind, detail: str, now_ms: int
+) -> tuple[StopReport, Change]:
+    """Record that a non-terminal Attempt stopped executing (the worker's abandon report after
+    its lease expired, or an operator's attestation). Nothing changes state yet: the report is
+    the evidence the next recovery uses. The one event audits it."""
+    if attempt.run_id != run.id or attempt.status not in RECOVERABLE_ATTEMPT_STATUSES:
+        raise InvalidTransition("attempt", attempt.id, attempt.status.value, "be reported stopped")
+    if kind not in (EvidenceKind.WORKER_ABANDONED, EvidenceKind.OPERATOR_ATTESTED):
+        raise InvalidTransition("attempt", attempt.id, attempt.status.value, f"take {kind.value}")
+    report = StopReport(attempt_id=attempt.id, kind=kind, reported_at_ms=now_ms, detail=detail)
+    event = RunEvent(
+        run_id=run.id,
+        attempt_id=attempt.id,
+        type=EventType.EVIDENCE_RECORDED,
+        at_ms=now_ms,
+        data={"evidence": kind.value, "detail": detail},
+    )
+    return report, Change(run=run, attempts=(), lease=None, event=event)

@@ -272,14 +272,12 @@ def accept(
     """The session takes the offer and binds its secret token (stored only as a hash). The lease
     is extended; its version is unchanged. Accepting again with the same token is refused as
     already accepted, with another token as a fence mismatch."""
-    if (
-        lease is None
-        or lease.attempt_id != attempt.id
-        or attempt.run_id != run.id
-        or lease.generation != generation
-    ):
-        reason = FenceReason.NO_LEASE if lease is None else FenceReason.GENERATION_MISMATCH
-        raise FenceRejected(reason, attempt.id)
+    if lease is None:
+        raise FenceRejected(FenceReason.NO_LEASE, attempt.id)
+    if lease.attempt_id != attempt.id or attempt.run_id != run.id:
+        raise FenceRejected(FenceReason.ATTEMPT_MISMATCH, attempt.id)
+    if lease.generation != generation:
+        raise FenceRejected(FenceReason.GENERATION_MISMATCH, attempt.id)
     if lease.version != version:
         raise FenceRejected(FenceReason.VERSION_MISMATCH, attempt.id)
     if lease.status is not LeaseStatus.LEASED:

@@ -1,0 +1,718 @@
+"""The in-memory store: every port of :mod:`application.ports` on dicts of frozen domain values.
+
+A unit of work holds the store's lock for its whole duration, so transactions are serial (the
+strongest isolation there is) and safe across threads. It works on a copy-on-write overlay of the
+committed state: the first write copies the dicts (shallow copies suffice, the values are
+immutable), :meth:`MemoryUnitOfWork.commit` swaps the overlay in, leaving without a commit drops
+it. Every write is a compare-and-set against the ``before`` values, and what the PostgreSQL
+schema enforces with foreign keys, CHECKs and partial unique indexes is checked on every write, so
+that the two stores refuse the same things with the same error:
+:class:`~domain.errors.ConcurrencyConflict`.
+
+A write is all-or-nothing: when any of its checks fails, nothing of it reaches the overlay.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from types import TracebackType
+from typing import TYPE_CHECKING
+
+from attrs import evolve
+
+from adapters.memory.clock import FakeClock
+from application.ports import (
+    HARD_PAGE_CAP,
+    EvidenceRepository,
+    Page,
+    QueuedAttempt,
+    RecoveryCandidate,
+    RunCandidate,
+    RunRepository,
+    SessionCapacity,
+    Snapshot,
+    StoredEvent,
+    WorkerSessionRegistry,
+)
+from domain.errors import ConcurrencyConflict
+from domain.model import (
+    Attempt,
+    AttemptStatus,
+    DispatchLease,
+    LeaseStatus,
+    Run,
+    RunOwner,
+    RunStatus,
+    SessionStatus,
+    StopReport,
+    WorkerSession,
+)
+from domain.recovery import find_not_running_evidence, is_recovery_candidate, is_resolvable
+from domain.transitions import Change
+
+if TYPE_CHECKING:
+    from application.ports import RuntimeStore, UnitOfWork
+
+# Attempt statuses of which a Run may have at most one (partial unique index in PostgreSQL).
+NON_TERMINAL_ATTEMPT_STATUSES = frozenset(
+    {AttemptStatus.CLAIMED, AttemptStatus.STARTING, AttemptStatus.RUNNING}
+)
+OPEN_SESSION_STATUSES = frozenset({SessionStatus.ACTIVE, SessionStatus.DRAINING})
+LeaseKey = tuple[str, int]
+SinceOf = Callable[[Run], int]
+
+
+def check_page_limit(limit: int, name: str = "limit") -> None:
+    """Page sizes are 1..HARD_PAGE_CAP; anything else is a caller's bug."""
+    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= HARD_PAGE_CAP:
+        raise ValueError(f"{name} must be an integer within 1..{HARD_PAGE_CAP}, got {limit!r}")
+
+
+# --- state ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class _State:
+    """Committed (or overlay) state. Values are frozen domain objects or tuples of them, so a
+    shallow copy of each dict is an independent snapshot."""
+
+    runs: dict[str, Run] = field(default_factory=dict)
+    attempts: dict[str, Attempt] = field(default_factory=dict)
+    # run id -> its attempt ids ordered by number
+    run_attempts: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    leases: dict[LeaseKey, DispatchLease] = field(default_factory=dict)
+    # run id -> its lease generations in ascending order
+    run_leases: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    # run id -> its events ordered by sequence
+    events: dict[str, tuple[StoredEvent, ...]] = field(default_factory=dict)
+    last_sequence: int = 0
+    sessions: dict[str, WorkerSession] = field(default_factory=dict)
+    # attempt id -> its stop reports in the order they were recorded
+    reports: dict[str, tuple[StopReport, ...]] = field(default_factory=dict)
+
+    def copy(self) -> _State:
+        return replace(
+            self,
+            runs=dict(self.runs),
+            attempts=dict(self.attempts),
+            run_attempts=dict(self.run_attempts),
+            leases=dict(self.leases),
+            run_leases=dict(self.run_leases),
+            events=dict(self.events),
+            sessions=dict(self.sessions),
+            reports=dict(self.reports),
+        )
+
+    # reads shared by the repositories and the sources
+
+    def attempts_of(self, run_id: str) -> tuple[Attempt, ...]:
+        return tuple(self.attempts[a] for a in self.run_attempts.get(run_id, ()))
+
+    def latest_attempt(self, run_id: str) -> Attempt | None:
+        ids = self.run_attempts.get(run_id, ())
+        return self.attempts[ids[-1]] if ids else None
+
+    def leases_of(self, run_id: str) -> tuple[DispatchLease, ...]:
+        return tuple(self.leases[(run_id, g)] for g in self.run_leases.get(run_id, ()))
+
+    def own_lease(self, attempt: Attempt) -> DispatchLease | None:
+        """The lease of the Attempt's exact generation, if it exists."""
+        if attempt.lease_generation is None:
+            return None
+        return self.leases.get((attempt.run_id, attempt.lease_generation))
+
+    def snapshot(self, run: Run, attempt: Attempt | None) -> Snapshot:
+        lease: DispatchLease | None
+        if attempt is not None and attempt.lease_generation is not None:
+            lease = self.own_lease(attempt)
+        else:
+            generations = self.run_leases.get(run.id, ())
+            lease = self.leases[(run.id, generations[-1])] if generations else None
+        return Snapshot(run=run, attempt=attempt, lease=lease)
+
+
+@dataclass
+class _Writes:
+    """The rows one write will insert or replace, checked before any of them is installed."""
+
+    run: Run | None = None
+    attempts: dict[str, Attempt] = field(default_factory=dict)
+    new_attempt_ids: set[str] = field(default_factory=set)
+    lease: DispatchLease | None = None
+
+    def run_ids(self) -> set[str]:
+        ids = {a.run_id for a in self.attempts.values()}
+        if self.run is not None:
+            ids.add(self.run.id)
+        if self.lease is not None:
+            ids.add(self.lease.run_id)
+        return ids
+
+
+def _conflict(message: str) -> ConcurrencyConflict:
+    return ConcurrencyConflict(message)
+
+
+def _check_invariants(state: _State, writes: _Writes, change: Change) -> None:
+    """What the PostgreSQL schema enforces with foreign keys, CHECKs and partial unique indexes,
+    on the state after ``writes``."""
+    run_ids = writes.run_ids() | {change.event.run_id}
+    for run_id in run_ids:
+        if run_id not in state.runs and (writes.run is None or writes.run.id != run_id):
+            raise _conflict(f"run {run_id} does not exist")
+    lease = writes.lease
+    if lease is not None:
+        if lease.attempt_id not in state.attempts and lease.attempt_id not in writes.attempts:
+            raise _conflict(f"attempt {lease.attempt_id} of lease {lease.run_id} does not exist")
+        if (lease.status is LeaseStatus.LEASED) != (lease.release_reason is None):
+            raise _conflict(f"lease {lease.run_id}/{lease.generation}: reason iff released")
+    for run_id in sorted(run_ids):
+        attempts = {a.id: a for a in state.attempts_of(run_id)}
+        attempts.update({a.id: a for a in writes.attempts.values() if a.run_id == run_id})
+        numbers = [a.number for a in attempts.values()]
+        if len(numbers) != len(set(numbers)):
+            raise _conflict(f"run {run_id} would have two attempts with the same number")
+        active = [a.id for a in attempts.values() if a.status in NON_TERMINAL_ATTEMPT_STATUSES]
+        if len(active) > 1:
+            raise _conflict(f"run {run_id} would have more than one non-terminal attempt")
+        leases = {lease.generation: lease for lease in state.leases_of(run_id)}
+        if writes.lease is not None and writes.lease.run_id == run_id:
+            leases[writes.lease.generation] = writes.lease
+        leased = [g for g, lease in leases.items() if lease.status is LeaseStatus.LEASED]
+        if len(leased) > 1:
+            raise _conflict(f"run {run_id} would hold more than one leased lease")
+
+
+def _check_attempt_insert(state: _State, attempt: Attempt, writes: _Writes) -> None:
+    if attempt.id in state.attempts or attempt.id in writes.attempts:
+        raise _conflict(f"attempt {attempt.id} already exists")
+
+
+def _check_lease_insert(state: _State, lease: DispatchLease) -> None:
+    if (lease.run_id, lease.generation) in state.leases:
+        raise _conflict(f"lease {lease.run_id}/{lease.generation} already exists")
+
+
+def _install(state: _State, writes: _Writes, change: Change) -> None:
+    """Write checked rows and append the change's event. ``state`` must be writable."""
+    if writes.run is not None:
+        state.runs[writes.run.id] = writes.run
+    touched_runs: set[str] = set()
+    for attempt in writes.attempts.values():
+        state.attempts[attempt.id] = attempt
+        if attempt.id in writes.new_attempt_ids:
+            touched_runs.add(attempt.run_id)
+            state.run_attempts[attempt.run_id] = (
+                *state.run_attempts.get(attempt.run_id, ()),
+                attempt.id,
+            )
+    for run_id in touched_runs:
+        state.run_attempts[run_id] = tuple(
+            sorted(state.run_attempts[run_id], key=lambda a: state.attempts[a].number)
+        )
+    lease = writes.lease
+    if lease is not None:
+        key = (lease.run_id, lease.generation)
+        if key not in state.leases:
+            state.run_leases[lease.run_id] = tuple(
+                sorted((*state.run_leases.get(lease.run_id, ()), lease.generation))
+            )
+        state.leases[key] = lease
+    state.last_sequence += 1
+    stored = StoredEvent(sequence=state.last_sequence, event=change.event)
+    run_id = change.event.run_id
+    state.events[run_id] = (*state.events.get(run_id, ()), stored)
+
+
+# --- unit of work and repositories -------------------------------------------------------------
+
+
+class MemoryUnitOfWork:
+    """One serial transaction over a :class:`MemoryStore`. Rolls back unless committed."""
+
+    def __init__(self, store: MemoryStore) -> None:
+        self._store = store
+        self._entered = False
+        self._base: _State | None = None
+        self._overlay: _State | None = None
+        self.runs: RunRepository = MemoryRunRepository(self)
+        self.sessions: WorkerSessionRegistry = MemorySessionRegistry(self)
+        self.evidence: EvidenceRepository = MemoryEvidenceRepository(self)
+
+    def __enter__(self) -> MemoryUnitOfWork:
+        if self._entered:
+            raise RuntimeError("this unit of work is already in use")
+        self._base = self._store._begin(self)
+        self._entered = True
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        # Whatever was not committed is dropped, on a normal exit and on an exception alike.
+        self._overlay = None
+        self._base = None
+        self._entered = False
+        self._store._end(self)
+
+    def now_ms(self) -> int:
+        return self._store.clock.now_ms()
+
+    def commit(self) -> None:
+        self._require_active()
+        if self._overlay is not None:
+            self._store._install(self._overlay)
+            self._base = self._overlay
+            self._overlay = None
+
+    def read(self) -> _State:
+        """The state this transaction sees: its own writes over the committed state."""
+        self._require_active()
+        if self._overlay is not None:
+            return self._overlay
+        assert self._base is not None
+        return self._base
+
+    def write(self) -> _State:
+        """The overlay, copied from the committed state on the first write."""
+        self._require_active()
+        if self._overlay is None:
+            assert self._base is not None
+            self._overlay = self._base.copy()
+        return self._overlay
+
+    def _require_active(self) -> None:
+        if not self._entered:
+            raise RuntimeError("use the unit of work inside its `with` block")
+
+
+class MemoryRunRepository:
+    def __init__(self, uow: MemoryUnitOfWork) -> None:
+        self._uow = uow
+
+    def add(self, change: Change) -> None:
+        state = self._uow.read()
+        if change.run.id in state.runs:
+            raise _conflict(f"run {change.run.id} already exists")
+        writes = _Writes(run=change.run)
+        for attempt in change.attempts:
+            _check_attempt_insert(state, attempt, writes)
+            writes.attempts[attempt.id] = attempt
+            writes.new_attempt_ids.add(attempt.id)
+        if change.lease is not None:
+            _check_lease_insert(state, change.lease)
+            writes.lease = change.lease
+        _check_invariants(state, writes, change)
+        _install(self._uow.write(), writes, change)
+
+    def lock_attempt(self, attempt_id: str) -> Snapshot | None:
+        state = self._uow.read()
+        attempt = state.attempts.get(attempt_id)
+        if attempt is None:
+            return None
+        run = state.runs.get(attempt.run_id)
+        if run is None:
+            return None
+        return state.snapshot(run, attempt)
+
+    def lock_run(self, run_id: str) -> Snapshot | None:
+        state = self._uow.read()
+        run = state.runs.get(run_id)
+        if run is None:
+            return None
+        return state.snapshot(run, state.latest_attempt(run_id))
+
+    def apply(self, before: Snapshot, change: Change) -> None:
+        state = self._uow.read()
+        if change.run.id != before.run.id:
+            raise ValueError(f"change of run {change.run.id} applied to run {before.run.id}")
+        writes = _Writes()
+        if change.run != before.run:
+            stored_run = state.runs.get(before.run.id)
+            if (
+                stored_run is None
+                or stored_run.status is not before.run.status
+                or stored_run.attempt_count != before.run.attempt_count
+            ):
+                raise _conflict(f"run {before.run.id} changed since it was read")
+            writes.run = change.run
+        for attempt in change.attempts:
+            if before.attempt is not None and attempt.id == before.attempt.id:
+                stored = state.attempts.get(attempt.id)
+                if (
+                    stored is None
+                    or stored.status is not before.attempt.status
+                    or stored.lease_version != before.attempt.lease_version
+                ):
+                    raise _conflict(f"attempt {attempt.id} changed since it was read")
+            else:
+                _check_attempt_insert(state, attempt, writes)
+                writes.new_attempt_ids.add(attempt.id)
+            writes.attempts[attempt.id] = attempt
+        lease = change.lease
+        if lease is not None:
+            key = (lease.run_id, lease.generation)
+            old = before.lease
+            if old is not None and (old.run_id, old.generation) == key:
+                if lease != old:
+                    stored_lease = state.leases.get(key)
+                    if (
+                        stored_lease is None
+                        or stored_lease.version != old.version
+                        or stored_lease.status is not old.status
+                        or stored_lease.token_hash != old.token_hash
+                    ):
+                        raise _conflict(f"lease {key[0]}/{key[1]} changed since it was read")
+                    writes.lease = lease
+            else:
+                _check_lease_insert(state, lease)
+                writes.lease = lease
+        _check_invariants(state, writes, change)
+        _install(self._uow.write(), writes, change)
+
+    def renew_lease(self, before: DispatchLease, after: DispatchLease) -> None:
+        if (after.run_id, after.generation) != (before.run_id, before.generation):
+            raise ValueError("a renewal must name the same lease before and after")
+        state = self._uow.read()
+        key = (before.run_id, before.generation)
+        stored = state.leases.get(key)
+        if (
+            stored is None
+            or stored.status is not LeaseStatus.LEASED
+            or stored.status is not before.status
+            or stored.version != before.version
+            or before.token_hash is None  # an offer not accepted yet has no fence to renew
+            or stored.token_hash != before.token_hash
+            or stored.expires_at_ms <= self._uow.now_ms()
+        ):
+            raise _conflict(f"lease {key[0]}/{key[1]} is no longer the live lease presented")
+        self._uow.write().leases[key] = evolve(stored, expires_at_ms=after.expires_at_ms)
+
+    def get_run(self, run_id: str) -> Run | None:
+        return self._uow.read().runs.get(run_id)
+
+    def get_attempt(self, attempt_id: str) -> Attempt | None:
+        return self._uow.read().attempts.get(attempt_id)
+
+    def attempts_of(self, run_id: str) -> Sequence[Attempt]:
+        return self._uow.read().attempts_of(run_id)
+
+    def leases_of(self, run_id: str) -> Sequence[DispatchLease]:
+        return self._uow.read().leases_of(run_id)
+
+    def events_of(self, run_id: str) -> Sequence[StoredEvent]:
+        return self._uow.read().events.get(run_id, ())
+
+    def list_runs(self, status: RunStatus | None, limit: int) -> Sequence[Run]:
+        if limit < 1:
+            raise ValueError(f"limit must be >= 1, got {limit}")
+        runs = self._uow.read().runs.values()
+        selected = [r for r in runs if status is None or r.status is status]
+        selected.sort(key=lambda r: (r.created_at_ms, r.id))
+        return tuple(selected[:limit])
+
+
+class MemorySessionRegistry:
+    def __init__(self, uow: MemoryUnitOfWork) -> None:
+        self._uow = uow
+
+    def get(self, session_id: str) -> WorkerSession | None:
+        return self._uow.read().sessions.get(session_id)
+
+    def open_sessions_of(self, worker_id: str) -> Sequence[WorkerSession]:
+        return _open_sessions_of(self._uow.read().sessions.values(), worker_id)
+
+    def add(self, session: WorkerSession) -> None:
+        state = self._uow.read()
+        if session.id in state.sessions:
+            raise _conflict(f"session {session.id} already exists")
+        self._check_one_open_per_worker(state, session)
+        self._uow.write().sessions[session.id] = session
+
+    def update(self, before: WorkerSession, after: WorkerSession) -> None:
+        if after.id != before.id:
+            raise ValueError("a session update must name the same session before and after")
+        state = self._uow.read()
+        stored = state.sessions.get(before.id)
+        if stored is None or stored.status is not before.status:
+            raise _conflict(f"session {before.id} changed since it was read")
+        self._check_one_open_per_worker(state, after)
+        self._uow.write().sessions[after.id] = after
+
+    def offers_of(self, session_id: str) -> Sequence[tuple[Attempt, DispatchLease]]:
+        state = self._uow.read()
+        offers: list[tuple[Attempt, DispatchLease]] = []
+        for lease in state.leases.values():
+            if (
+                lease.status is not LeaseStatus.LEASED
+                or lease.holder_session_id != session_id
+                or lease.token_hash is not None
+            ):
+                continue
+            attempt = state.attempts.get(lease.attempt_id)
+            if attempt is not None and attempt.status is AttemptStatus.CLAIMED:
+                offers.append((attempt, lease))
+        offers.sort(key=lambda pair: (pair[1].granted_at_ms, pair[0].id))
+        return tuple(offers)
+
+    @staticmethod
+    def _check_one_open_per_worker(state: _State, session: WorkerSession) -> None:
+        if session.status not in OPEN_SESSION_STATUSES:
+            return
+        others = [
+            s
+            for s in _open_sessions_of(state.sessions.values(), session.worker_id)
+            if s.id != session.id
+        ]
+        if others:
+            raise _conflict(
+                f"worker {session.worker_id} already has an open session ({others[0].id})"
+            )
+
+
+def _open_sessions_of(
+    sessions: Iterable[WorkerSession], worker_id: str
+) -> tuple[WorkerSession, ...]:
+    found = [s for s in sessions if s.worker_id == worker_id and s.status in OPEN_SESSION_STATUSES]
+    return tuple(sorted(found, key=lambda s: s.id))
+
+
+class MemoryEvidenceRepository:
+    def __init__(self, uow: MemoryUnitOfWork) -> None:
+        self._uow = uow
+
+    def record(self, report: StopReport) -> None:
+        state = self._uow.write()
+        state.reports[report.attempt_id] = (*state.reports.get(report.attempt_id, ()), report)
+
+    def reports_for(self, attempt_id: str) -> Sequence[StopReport]:
+        reports = self._uow.read().reports.get(attempt_id, ())
+        return tuple(sorted(reports, key=lambda r: r.reported_at_ms))
+
+
+# --- the store and its candidate sources -------------------------------------------------------
+
+
+class MemoryStore:
+    """Every port of the runtime in memory. ``clock`` is the store's (database) clock."""
+
+    def __init__(self, clock: FakeClock | None = None) -> None:
+        self.clock = clock if clock is not None else FakeClock()
+        self._lock = threading.RLock()
+        self._state = _State()
+        self._active: MemoryUnitOfWork | None = None
+        self._closed = False
+
+    # transactions
+
+    def unit_of_work(self) -> MemoryUnitOfWork:
+        self._require_open()
+        return MemoryUnitOfWork(self)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+
+    def _begin(self, uow: MemoryUnitOfWork) -> _State:
+        self._lock.acquire()
+        try:
+            self._require_open()
+            if self._active is not None:
+                # Only this thread can hold the lock: a transaction nested in another one would
+                # overwrite the outer one's commit (or deadlock on a real database).
+                raise RuntimeError("a unit of work is already open on this store in this thread")
+        except BaseException:
+            self._lock.release()
+            raise
+        self._active = uow
+        return self._state
+
+    def _install(self, state: _State) -> None:
+        self._state = state
+
+    def _end(self, uow: MemoryUnitOfWork) -> None:
+        if self._active is uow:
+            self._active = None
+            self._lock.release()
+
+    def _require_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the store is closed")
+
+    def _committed(self) -> tuple[_State, int]:
+        """The committed state and the clock, read together. Call with the lock held."""
+        self._require_open()
+        return self._state, self.clock.now_ms()
+
+    # RecoveryCandidateSource
+
+    def recovery_candidates(self, limit: int) -> Page[RecoveryCandidate]:
+        check_page_limit(limit)
+        with self._lock:
+            state, now = self._committed()
+            ranked: list[tuple[tuple[int, int, int, str], RecoveryCandidate]] = []
+            for attempt in state.attempts.values():
+                if attempt.status not in NON_TERMINAL_ATTEMPT_STATUSES:
+                    continue
+                run = state.runs[attempt.run_id]
+                lease = state.own_lease(attempt)
+                if lease is not None and lease.attempt_id != attempt.id:
+                    lease = None
+                if not is_recovery_candidate(run, attempt, lease, now):
+                    continue
+                session = state.sessions.get(attempt.session_id) if attempt.session_id else None
+                evidence = find_not_running_evidence(
+                    attempt, session, state.reports.get(attempt.id, ())
+                )
+                resolvable = is_resolvable(attempt, evidence)
+                expires = lease.expires_at_ms if lease is not None else None
+                key = (
+                    0 if resolvable else 1,
+                    0 if expires is None else 1,
+                    expires if expires is not None else 0,
+                    attempt.id,
+                )
+                candidate = RecoveryCandidate(
+                    run_id=run.id,
+                    attempt_id=attempt.id,
+                    attempt_status=attempt.status,
+                    lease_expires_at_ms=expires,
+                    resolvable=resolvable,
+                )
+                ranked.append((key, candidate))
+            ranked.sort(key=lambda pair: pair[0])
+            items = tuple(candidate for _, candidate in ranked[: limit + 1])
+            return Page(items=items[:limit], has_more=len(items) > limit, observed_at_ms=now)
+
+    # LostRetryCandidateSource
+
+    def lost_runs(self, limit: int) -> Page[RunCandidate]:
+        check_page_limit(limit)
+        with self._lock:
+            state, now = self._committed()
+            runs = sorted(
+                (
+                    r
+                    for r in state.runs.values()
+                    if r.owner is RunOwner.RUNTIME and r.status is RunStatus.LOST
+                ),
+                key=lambda r: (r.updated_at_ms, r.id),
+            )
+            return self._run_page(state, runs, limit, now, lambda r: r.updated_at_ms)
+
+    def due_retries(self, limit: int) -> Page[RunCandidate]:
+        check_page_limit(limit)
+        with self._lock:
+            state, now = self._committed()
+            due = [
+                r
+                for r in state.runs.values()
+                if r.owner is RunOwner.RUNTIME
+                and r.status is RunStatus.RETRY_WAIT
+                and r.next_attempt_at_ms is not None
+                and r.next_attempt_at_ms <= now
+            ]
+            due.sort(key=lambda r: (r.next_attempt_at_ms or 0, r.id))
+            return self._run_page(state, due, limit, now, lambda r: r.next_attempt_at_ms or 0)
+
+    # StartupCandidateSource
+
+    def orphaned_runs(self, limit: int) -> Page[RunCandidate]:
+        check_page_limit(limit)
+        with self._lock:
+            state, now = self._committed()
+            orphans = sorted(
+                (
+                    r
+                    for r in state.runs.values()
+                    if r.owner is RunOwner.RUNTIME
+                    and r.status is RunStatus.CREATED
+                    and r.attempt_count == 0
+                ),
+                key=lambda r: (r.created_at_ms, r.id),
+            )
+            items = tuple(
+                RunCandidate(run_id=r.id, attempt_id=None, since_ms=r.created_at_ms)
+                for r in orphans[:limit]
+            )
+            return Page(items=items, has_more=len(orphans) > limit, observed_at_ms=now)
+
+    # DispatchSource
+
+    def queued_attempts(self, limit_per_task: int, tasks: Sequence[str]) -> Page[QueuedAttempt]:
+        check_page_limit(limit_per_task, "limit_per_task")
+        wanted = frozenset(tasks)
+        with self._lock:
+            state, now = self._committed()
+            by_task: dict[str, list[QueuedAttempt]] = {}
+            for run in state.runs.values():
+                if run.status is not RunStatus.QUEUED or run.task not in wanted:
+                    continue
+                attempt = state.latest_attempt(run.id)
+                if attempt is None or not attempt.is_pristine:
+                    continue
+                by_task.setdefault(run.task, []).append(
+                    QueuedAttempt(
+                        run_id=run.id,
+                        attempt_id=attempt.id,
+                        task=run.task,
+                        queued_at_ms=attempt.created_at_ms,
+                    )
+                )
+            page: list[QueuedAttempt] = []
+            has_more = False
+            for queued in by_task.values():
+                queued.sort(key=lambda q: (q.queued_at_ms, q.run_id))
+                page.extend(queued[:limit_per_task])
+                has_more = has_more or len(queued) > limit_per_task
+            page.sort(key=lambda q: (q.queued_at_ms, q.run_id))
+            return Page(items=tuple(page), has_more=has_more, observed_at_ms=now)
+
+    def available_sessions(self, max_silence_ms: int) -> Sequence[SessionCapacity]:
+        with self._lock:
+            state, now = self._committed()
+            in_flight: dict[str, int] = {}
+            for lease in state.leases.values():
+                if lease.status is LeaseStatus.LEASED:
+                    holder = lease.holder_session_id
+                    in_flight[holder] = in_flight.get(holder, 0) + 1
+            available = [
+                SessionCapacity(session=s, in_flight=in_flight.get(s.id, 0))
+                for s in state.sessions.values()
+                if s.status is SessionStatus.ACTIVE
+                and s.last_heartbeat_at_ms > now - max_silence_ms
+            ]
+            available.sort(key=lambda c: c.session.id)
+            return tuple(available)
+
+    @staticmethod
+    def _run_page(
+        state: _State,
+        ordered: Sequence[Run],
+        limit: int,
+        now: int,
+        since: SinceOf,
+    ) -> Page[RunCandidate]:
+        items: list[RunCandidate] = []
+        for run in ordered[:limit]:
+            latest = state.latest_attempt(run.id)
+            items.append(
+                RunCandidate(
+                    run_id=run.id,
+                    attempt_id=latest.id if latest is not None else None,
+                    since_ms=since(run),
+                )
+            )
+        return Page(items=tuple(items), has_more=len(ordered) > limit, observed_at_ms=now)
+
+
+if TYPE_CHECKING:
+
+    def _conforms(store: MemoryStore, uow: MemoryUnitOfWork) -> tuple[RuntimeStore, UnitOfWork]:
+        """Lets mypy check that the memory store implements the ports structurally."""
+        return store, uow

@@ -1,0 +1,1 @@
+"""SQLAlchemy Core schema and row mapping shared by the SQL stores."""

@@ -1,0 +1,391 @@
+"""The relational schema shared by the SQL stores (PostgreSQL for Cluster, SQLite later).
+
+Every status column is checked against the values of its domain enum, every invariant that one
+row can express is a CHECK constraint, and every "at most one ... per ..." rule is a partial unique
+index. PostgreSQL-only details (timestamptz, JSONB, the "C" collation of identifiers, storage
+parameters, partial index predicates) sit behind ``with_variant`` or ``postgresql_*`` keywords so
+that the same ``MetaData`` compiles on other dialects.
+
+Indexes on ``runs``, ``run_attempts`` and ``run_dispatch_leases`` are partial on the non-terminal
+statuses, so that the cost of every candidate query follows the live work, not the finished
+history. ``run_dispatch_leases.expires_at`` is deliberately not indexed: a renewal changes only
+that column, and keeping it out of every index lets PostgreSQL renew with HOT updates.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Iterable
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    CheckConstraint,
+    Column,
+    DateTime,
+    Dialect,
+    Double,
+    ForeignKey,
+    Identity,
+    Index,
+    Integer,
+    MetaData,
+    PrimaryKeyConstraint,
+    Table,
+    Text,
+    UniqueConstraint,
+    text,
+)
+from sqlalchemy.dialects import postgresql
+from sqlalchemy.types import TypeDecorator, TypeEngine
+
+from domain.events import EventType
+from domain.model import (
+    AttemptStatus,
+    EvidenceKind,
+    LeaseStatus,
+    ReleaseReason,
+    RunOwner,
+    RunStatus,
+    SessionStatus,
+)
+from domain.policy import MAX_ATTEMPTS_LIMIT, Safety
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_N_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+ONE_MILLISECOND = dt.timedelta(milliseconds=1)
+
+
+def millis_to_datetime(value: int) -> dt.datetime:
+    """Integer epoch milliseconds as an aware UTC datetime (exact: no float arithmetic)."""
+    return EPOCH + dt.timedelta(milliseconds=value)
+
+
+def datetime_to_millis(value: dt.datetime) -> int:
+    """An aware datetime as integer epoch milliseconds, rounded down."""
+    if value.tzinfo is None:
+        raise ValueError("naive datetime: the store keeps only aware timestamps")
+    return (value - EPOCH) // ONE_MILLISECOND
+
+
+class EpochMillis(TypeDecorator[int]):
+    """Domain time (integer epoch milliseconds) stored as ``TIMESTAMP WITH TIME ZONE`` on
+    PostgreSQL and as a plain ``BIGINT`` of milliseconds on dialects without a zoned timestamp.
+
+    The conversion happens here, at the edge, for every bound value and every result.
+    """
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def load_dialect_impl(self, dialect: Dialect) -> TypeEngine[Any]:
+        if dialect.name == "postgresql":
+            return dialect.type_descriptor(DateTime(timezone=True))
+        return dialect.type_descriptor(BigInteger())
+
+    def process_bind_param(self, value: int | None, dialect: Dialect) -> Any:
+        if value is None:
+            return None
+        if dialect.name == "postgresql":
+            return millis_to_datetime(int(value))
+        return int(value)
+
+    def process_result_value(self, value: Any, dialect: Dialect) -> int | None:
+        if value is None:
+            return None
+        if isinstance(value, dt.datetime):
+            return datetime_to_millis(value)
+        return int(value)
+
+    @property
+    def python_type(self) -> type[int]:
+        return int
+
+
+def identifier() -> TypeEngine[str]:
+    """Identifiers compare and sort byte-wise ("C" collation) on PostgreSQL, as in Python."""
+    return Text().with_variant(Text(collation="C"), "postgresql")
+
+
+def json_document() -> TypeEngine[Any]:
+    """A JSON value; SQL NULL stands for Python ``None``. JSONB on PostgreSQL."""
+    return JSON(none_as_null=True).with_variant(postgresql.JSONB(none_as_null=True), "postgresql")
+
+
+def _quoted(values: Iterable[str]) -> str:
+    return ", ".join(f"'{value}'" for value in values)
+
+
+def _one_of(column: str, values: Iterable[str]) -> str:
+    return f"{column} IN ({_quoted(values)})"
+
+
+def _enum_values(enum_type: Any) -> list[str]:
+    return [member.value for member in enum_type]
+
+
+NON_TERMINAL_ATTEMPT_STATUSES = (
+    AttemptStatus.CLAIMED.value,
+    AttemptStatus.STARTING.value,
+    AttemptStatus.RUNNING.value,
+)
+OPEN_SESSION_STATUSES = (SessionStatus.ACTIVE.value, SessionStatus.DRAINING.value)
+
+_POLICY_COLUMNS_REQUIRED = (
+    "retry_on_lost",
+    "max_attempts",
+    "backoff_initial_ms",
+    "backoff_multiplier",
+    "backoff_cap_ms",
+    "backoff_jitter",
+)
+_POLICY_COLUMNS = (*_POLICY_COLUMNS_REQUIRED, "safety")
+
+_POLICY_PRESENT = " AND ".join(f"{name} IS NOT NULL" for name in _POLICY_COLUMNS_REQUIRED)
+_POLICY_ABSENT = " AND ".join(f"{name} IS NULL" for name in _POLICY_COLUMNS)
+
+metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+runs = Table(
+    "runs",
+    metadata,
+    Column("id", identifier(), nullable=False),
+    Column("task", Text(), nullable=False),
+    Column("owner", Text(), nullable=False),
+    Column("status", Text(), nullable=False),
+    Column("input", json_document(), nullable=True),
+    Column("output", json_document(), nullable=True),
+    Column("error", Text(), nullable=True),
+    Column("has_policy", Boolean(), nullable=False),
+    Column("retry_on_lost", Boolean(), nullable=True),
+    Column("max_attempts", Integer(), nullable=True),
+    Column("safety", Text(), nullable=True),
+    Column("backoff_initial_ms", BigInteger(), nullable=True),
+    Column("backoff_multiplier", Double(), nullable=True),
+    Column("backoff_cap_ms", BigInteger(), nullable=True),
+    Column("backoff_jitter", Double(), nullable=True),
+    Column("attempt_count", Integer(), nullable=False),
+    Column("next_attempt_at", EpochMillis(), nullable=True),
+    Column("parent_run_id", identifier(), nullable=True),
+    Column("created_at", EpochMillis(), nullable=False),
+    Column("updated_at", EpochMillis(), nullable=False),
+    PrimaryKeyConstraint("id", name="pk_runs"),
+    CheckConstraint(_one_of("owner", _enum_values(RunOwner)), name="owner"),
+    CheckConstraint(_one_of("status", _enum_values(RunStatus)), name="status"),
+    CheckConstraint(f"safety IS NULL OR {_one_of('safety', _enum_values(Safety))}", name="safety"),
+    CheckConstraint("attempt_count >= 0", name="attempt_count"),
+    CheckConstraint(f"max_attempts BETWEEN 1 AND {MAX_ATTEMPTS_LIMIT}", name="max_attempts"),
+    CheckConstraint(
+        "backoff_initial_ms >= 0 AND backoff_multiplier >= 1"
+        " AND backoff_cap_ms >= backoff_initial_ms"
+        " AND backoff_jitter >= 0 AND backoff_jitter <= 1",
+        name="backoff",
+    ),
+    CheckConstraint(
+        f"(has_policy AND {_POLICY_PRESENT}) OR (NOT has_policy AND {_POLICY_ABSENT})",
+        name="policy_iff_has_policy",
+    ),
+    CheckConstraint("task <> ''", name="task_not_empty"),
+)
+
+Index(
+    "ix_runs_created_at",
+    runs.c.created_at,
+    runs.c.id,
+)
+Index(
+    "ix_runs_lost",
+    runs.c.updated_at,
+    runs.c.id,
+    postgresql_where=text("status = 'lost'"),
+    sqlite_where=text("status = 'lost'"),
+)
+Index(
+    "ix_runs_retry_wait",
+    runs.c.next_attempt_at,
+    runs.c.id,
+    postgresql_where=text("status = 'retry_wait'"),
+    sqlite_where=text("status = 'retry_wait'"),
+)
+Index(
+    "ix_runs_created",
+    runs.c.created_at,
+    runs.c.id,
+    postgresql_where=text("status = 'created'"),
+    sqlite_where=text("status = 'created'"),
+)
+Index(
+    "ix_runs_queued",
+    runs.c.task,
+    runs.c.id,
+    postgresql_where=text("status = 'queued'"),
+    sqlite_where=text("status = 'queued'"),
+)
+
+_ACTIVE_ATTEMPT = _one_of("status", NON_TERMINAL_ATTEMPT_STATUSES)
+
+run_attempts = Table(
+    "run_attempts",
+    metadata,
+    Column("id", identifier(), nullable=False),
+    Column("run_id", identifier(), ForeignKey("runs.id"), nullable=False),
+    Column("number", Integer(), nullable=False),
+    Column("status", Text(), nullable=False),
+    Column("session_id", identifier(), nullable=True),
+    Column("worker_id", identifier(), nullable=True),
+    Column("lease_generation", Integer(), nullable=True),
+    Column("lease_version", Integer(), nullable=True),
+    Column("offered_at", EpochMillis(), nullable=True),
+    Column("accepted_at", EpochMillis(), nullable=True),
+    Column("started_at", EpochMillis(), nullable=True),
+    Column("finished_at", EpochMillis(), nullable=True),
+    Column("lost_evidence", Text(), nullable=True),
+    Column("error", Text(), nullable=True),
+    Column("created_at", EpochMillis(), nullable=False),
+    Column("updated_at", EpochMillis(), nullable=False),
+    PrimaryKeyConstraint("id", name="pk_run_attempts"),
+    UniqueConstraint("run_id", "number", name="uq_run_attempts_run_id_number"),
+    CheckConstraint("number >= 1", name="number"),
+    CheckConstraint(_one_of("status", _enum_values(AttemptStatus)), name="status"),
+    CheckConstraint(
+        f"lost_evidence IS NULL OR {_one_of('lost_evidence', _enum_values(EvidenceKind))}",
+        name="lost_evidence",
+    ),
+    CheckConstraint("lease_generation IS NULL OR lease_generation >= 1", name="lease_generation"),
+    CheckConstraint("lease_version IS NULL OR lease_version >= 1", name="lease_version"),
+)
+
+Index(
+    "uq_run_attempts_one_active_per_run",
+    run_attempts.c.run_id,
+    unique=True,
+    postgresql_where=text(_ACTIVE_ATTEMPT),
+    sqlite_where=text(_ACTIVE_ATTEMPT),
+)
+
+run_dispatch_leases = Table(
+    "run_dispatch_leases",
+    metadata,
+    Column("run_id", identifier(), ForeignKey("runs.id"), nullable=False),
+    Column("generation", Integer(), nullable=False),
+    Column("attempt_id", identifier(), ForeignKey("run_attempts.id"), nullable=False),
+    Column("version", Integer(), nullable=False),
+    Column("status", Text(), nullable=False),
+    Column("holder_session_id", identifier(), nullable=False),
+    Column("token_hash", Text(), nullable=True),
+    Column("expires_at", EpochMillis(), nullable=False),
+    Column("granted_at", EpochMillis(), nullable=False),
+    Column("release_reason", Text(), nullable=True),
+    Column("released_at", EpochMillis(), nullable=True),
+    PrimaryKeyConstraint("run_id", "generation", name="pk_run_dispatch_leases"),
+    CheckConstraint("generation >= 1", name="generation"),
+    CheckConstraint("version >= 1", name="version"),
+    CheckConstraint(_one_of("status", _enum_values(LeaseStatus)), name="status"),
+    CheckConstraint(
+        f"release_reason IS NULL OR {_one_of('release_reason', _enum_values(ReleaseReason))}",
+        name="release_reason",
+    ),
+    CheckConstraint(
+        "(status = 'leased') = (release_reason IS NULL)", name="release_reason_iff_released"
+    ),
+    # Renewals rewrite only expires_at; the free space lets them stay on the page (HOT).
+    postgresql_with={"fillfactor": "70"},
+)
+
+Index(
+    "uq_run_dispatch_leases_one_leased_per_run",
+    run_dispatch_leases.c.run_id,
+    unique=True,
+    postgresql_where=text("status = 'leased'"),
+    sqlite_where=text("status = 'leased'"),
+)
+Index(
+    "ix_run_dispatch_leases_held",
+    run_dispatch_leases.c.holder_session_id,
+    postgresql_where=text("status = 'leased'"),
+    sqlite_where=text("status = 'leased'"),
+)
+
+run_events = Table(
+    "run_events",
+    metadata,
+    Column("id", BigInteger(), Identity(always=False), nullable=False),
+    Column("run_id", identifier(), ForeignKey("runs.id"), nullable=False),
+    Column("attempt_id", identifier(), nullable=True),
+    Column("type", Text(), nullable=False),
+    Column("at", EpochMillis(), nullable=False),
+    Column("data", json_document(), nullable=False),
+    PrimaryKeyConstraint("id", name="pk_run_events"),
+    CheckConstraint(_one_of("type", _enum_values(EventType)), name="type"),
+)
+
+Index("ix_run_events_run_id", run_events.c.run_id, run_events.c.id)
+
+worker_sessions = Table(
+    "worker_sessions",
+    metadata,
+    Column("id", identifier(), nullable=False),
+    Column("worker_id", identifier(), nullable=False),
+    Column("status", Text(), nullable=False),
+    Column("capacity", Integer(), nullable=False),
+    Column("tasks", json_document(), nullable=False),
+    Column("secret_hash", Text(), nullable=False),
+    Column("registered_at", EpochMillis(), nullable=False),
+    Column("last_heartbeat_at", EpochMillis(), nullable=False),
+    Column("closed_at", EpochMillis(), nullable=True),
+    PrimaryKeyConstraint("id", name="pk_worker_sessions"),
+    CheckConstraint(_one_of("status", _enum_values(SessionStatus)), name="status"),
+    CheckConstraint("capacity >= 1", name="capacity"),
+)
+
+_OPEN_SESSION = _one_of("status", OPEN_SESSION_STATUSES)
+
+Index(
+    "uq_worker_sessions_one_open_per_worker",
+    worker_sessions.c.worker_id,
+    unique=True,
+    postgresql_where=text(_OPEN_SESSION),
+    sqlite_where=text(_OPEN_SESSION),
+)
+Index(
+    "ix_worker_sessions_active",
+    worker_sessions.c.id,
+    postgresql_where=text("status = 'active'"),
+    sqlite_where=text("status = 'active'"),
+)
+
+attempt_stop_reports = Table(
+    "attempt_stop_reports",
+    metadata,
+    Column("id", BigInteger(), Identity(always=False), nullable=False),
+    Column("attempt_id", identifier(), nullable=False),
+    Column("kind", Text(), nullable=False),
+    Column("reported_at", EpochMillis(), nullable=False),
+    Column("detail", Text(), nullable=False),
+    PrimaryKeyConstraint("id", name="pk_attempt_stop_reports"),
+    CheckConstraint(_one_of("kind", _enum_values(EvidenceKind)), name="kind"),
+)
+
+Index(
+    "ix_attempt_stop_reports_attempt_id",
+    attempt_stop_reports.c.attempt_id,
+    attempt_stop_reports.c.reported_at,
+)
+
+ALL_TABLES = (
+    runs,
+    run_attempts,
+    run_dispatch_leases,
+    run_events,
+    worker_sessions,
+    attempt_stop_reports,
+)

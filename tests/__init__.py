@@ -1,0 +1,1 @@
+"""The QL3 runtime test suite."""

@@ -1,0 +1,1 @@
+"""The port contract suite: one set of tests, run against every store."""

@@ -1,0 +1,369 @@
+"""Build store states through the real domain transitions, the way the application does: lock,
+decide with a pure transition at the store's clock, apply as compare-and-set.
+
+Functions taking a ``uow`` work inside the caller's transaction; the ``given_*`` functions open
+and commit their own. Identifiers differ only in letters and digits so that every store orders
+them the same way whatever its collation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+
+from application.ports import Snapshot, UnitOfWork
+from domain.errors import ConcurrencyConflict
+from domain.fence import LeaseFence, hash_token
+from domain.model import (
+    EvidenceKind,
+    NotRunningEvidence,
+    ReleaseReason,
+    RunOwner,
+    StopReport,
+    WorkerSession,
+)
+from domain.policy import Backoff, RetryPolicy, Safety
+from domain.retry import settle_lost_run, start_next_attempt
+from domain.sessions import close, drain, register_session
+from domain.transitions import (
+    Change,
+    accept,
+    activate,
+    admit,
+    complete,
+    create_first_attempt,
+    grant_lease,
+    mark_lost,
+    mark_running,
+)
+
+TASK = "mail"
+OTHER_TASK = "report"
+TTL_MS = 60_000
+RETRY_DELAY_MS = 60_000
+SECRET_HASH = hash_token("session-secret")
+
+RETRY_SAFELY = RetryPolicy(
+    retry_on_lost=True,
+    max_attempts=3,
+    safety=Safety.IDEMPOTENT,
+    backoff=Backoff(initial_ms=RETRY_DELAY_MS, multiplier=1.0, cap_ms=RETRY_DELAY_MS),
+)
+
+
+def attempt_id_of(run_id: str, number: int = 1) -> str:
+    return f"{run_id}a{number}"
+
+
+def token_of(attempt_id: str) -> str:
+    return f"token{attempt_id}"
+
+
+@contextmanager
+def committed(store: Any) -> Iterator[UnitOfWork]:
+    """A unit of work that commits when its block ends normally."""
+    with store.unit_of_work() as uow:
+        yield uow
+        uow.commit()
+
+
+def locked_attempt(uow: UnitOfWork, attempt_id: str) -> Snapshot:
+    snapshot = uow.runs.lock_attempt(attempt_id)
+    assert snapshot is not None, f"attempt {attempt_id} not found"
+    return snapshot
+
+
+def locked_run(uow: UnitOfWork, run_id: str) -> Snapshot:
+    snapshot = uow.runs.lock_run(run_id)
+    assert snapshot is not None, f"run {run_id} not found"
+    return snapshot
+
+
+# --- steps inside a unit of work ---------------------------------------------------------------
+
+
+def admit_run(
+    uow: UnitOfWork,
+    run_id: str,
+    *,
+    queued: bool = True,
+    task: str = TASK,
+    policy: RetryPolicy | None = None,
+    owner: RunOwner = RunOwner.RUNTIME,
+) -> Change:
+    change = admit(
+        run_id=run_id,
+        attempt_id=attempt_id_of(run_id) if queued else None,
+        task=task,
+        input={"run": run_id},
+        policy=policy,
+        now_ms=uow.now_ms(),
+        owner=owner,
+    )
+    uow.runs.add(change)
+    return change
+
+
+def first_attempt(uow: UnitOfWork, run_id: str) -> Change:
+    before = locked_run(uow, run_id)
+    change = create_first_attempt(before.run, attempt_id_of(run_id), uow.now_ms())
+    uow.runs.apply(before, change)
+    return change
+
+
+def register(
+    uow: UnitOfWork,
+    session_id: str,
+    worker_id: str,
+    *,
+    tasks: tuple[str, ...] = (TASK, OTHER_TASK),
+    capacity: int = 4,
+) -> WorkerSession:
+    existing = uow.sessions.open_sessions_of(worker_id)
+    session, replaced = register_session(
+        session_id=session_id,
+        worker_id=worker_id,
+        capacity=capacity,
+        tasks=tasks,
+        secret_hash=SECRET_HASH,
+        existing=existing,
+        now_ms=uow.now_ms(),
+    )
+    stored = {s.id: s for s in existing}
+    for old in replaced:
+        uow.sessions.update(stored[old.id], old)
+    uow.sessions.add(session)
+    return session
+
+
+def offer(uow: UnitOfWork, attempt_id: str, session_id: str, ttl_ms: int = TTL_MS) -> Change:
+    before = locked_attempt(uow, attempt_id)
+    session = uow.sessions.get(session_id)
+    assert session is not None and before.attempt is not None
+    change = grant_lease(
+        run=before.run,
+        attempt=before.attempt,
+        previous_lease=before.lease,
+        session=session,
+        ttl_ms=ttl_ms,
+        now_ms=uow.now_ms(),
+    )
+    uow.runs.apply(before, change)
+    return change
+
+
+def accept_offer(
+    uow: UnitOfWork, attempt_id: str, token: str | None = None, ttl_ms: int = TTL_MS
+) -> Change:
+    before = locked_attempt(uow, attempt_id)
+    assert before.attempt is not None and before.lease is not None
+    change = accept(
+        run=before.run,
+        attempt=before.attempt,
+        lease=before.lease,
+        session_id=before.lease.holder_session_id,
+        generation=before.lease.generation,
+        version=before.lease.version,
+        token_hash=hash_token(token or token_of(attempt_id)),
+        ttl_ms=ttl_ms,
+        now_ms=uow.now_ms(),
+    )
+    uow.runs.apply(before, change)
+    return change
+
+
+def fence_of(before: Snapshot, token: str | None = None) -> LeaseFence:
+    assert before.attempt is not None and before.lease is not None
+    return LeaseFence(
+        attempt_id=before.attempt.id,
+        generation=before.lease.generation,
+        version=before.lease.version,
+        token=token or token_of(before.attempt.id),
+    )
+
+
+def activate_attempt(uow: UnitOfWork, attempt_id: str, ttl_ms: int = TTL_MS) -> Change:
+    before = locked_attempt(uow, attempt_id)
+    assert before.attempt is not None
+    change = activate(
+        run=before.run,
+        attempt=before.attempt,
+        lease=before.lease,
+        fence=fence_of(before),
+        ttl_ms=ttl_ms,
+        now_ms=uow.now_ms(),
+    )
+    uow.runs.apply(before, change)
+    return change
+
+
+def report_running(uow: UnitOfWork, attempt_id: str) -> Change:
+    before = locked_attempt(uow, attempt_id)
+    assert before.attempt is not None
+    change = mark_running(
+        run=before.run,
+        attempt=before.attempt,
+        lease=before.lease,
+        fence=fence_of(before),
+        now_ms=uow.now_ms(),
+    )
+    uow.runs.apply(before, change)
+    return change
+
+
+def finish(uow: UnitOfWork, attempt_id: str, *, succeeded: bool = True) -> Change:
+    before = locked_attempt(uow, attempt_id)
+    assert before.attempt is not None
+    change = complete(
+        run=before.run,
+        attempt=before.attempt,
+        lease=before.lease,
+        fence=fence_of(before),
+        succeeded=succeeded,
+        output={"ok": succeeded},
+        error=None if succeeded else "boom",
+        now_ms=uow.now_ms(),
+    )
+    uow.runs.apply(before, change)
+    return change
+
+
+def lose(uow: UnitOfWork, attempt_id: str, evidence_kind: EvidenceKind | None = None) -> Change:
+    before = locked_attempt(uow, attempt_id)
+    assert before.attempt is not None
+    now = uow.now_ms()
+    evidence = (
+        NotRunningEvidence(attempt_id=attempt_id, kind=evidence_kind, observed_at_ms=now)
+        if evidence_kind is not None
+        else None
+    )
+    change = mark_lost(
+        run=before.run,
+        attempt=before.attempt,
+        lease=before.lease,
+        evidence=evidence,
+        release_reason=ReleaseReason.LEASE_EXPIRED,
+        now_ms=now,
+        cause="lease_expired",
+    )
+    uow.runs.apply(before, change)
+    return change
+
+
+def settle(uow: UnitOfWork, run_id: str) -> Change:
+    before = locked_run(uow, run_id)
+    assert before.attempt is not None
+    change = settle_lost_run(run=before.run, lost_attempt=before.attempt, now_ms=uow.now_ms())
+    uow.runs.apply(before, change)
+    return change
+
+
+def next_attempt(uow: UnitOfWork, run_id: str) -> Change:
+    before = locked_run(uow, run_id)
+    number = before.run.attempt_count + 1
+    change = start_next_attempt(
+        run=before.run, attempt_id=attempt_id_of(run_id, number), now_ms=uow.now_ms()
+    )
+    uow.runs.apply(before, change)
+    return change
+
+
+def close_session(uow: UnitOfWork, session_id: str) -> WorkerSession:
+    before = uow.sessions.get(session_id)
+    assert before is not None
+    after = close(before, uow.now_ms())
+    uow.sessions.update(before, after)
+    return after
+
+
+def drain_session(uow: UnitOfWork, session_id: str) -> WorkerSession:
+    before = uow.sessions.get(session_id)
+    assert before is not None
+    after = drain(before, uow.now_ms())
+    uow.sessions.update(before, after)
+    return after
+
+
+def report_stop(
+    uow: UnitOfWork, attempt_id: str, kind: EvidenceKind = EvidenceKind.WORKER_ABANDONED
+) -> StopReport:
+    report = StopReport(attempt_id=attempt_id, kind=kind, reported_at_ms=uow.now_ms())
+    uow.evidence.record(report)
+    return report
+
+
+# --- whole committed states --------------------------------------------------------------------
+
+
+def given_session(store: Any, session_id: str, worker_id: str | None = None) -> WorkerSession:
+    with committed(store) as uow:
+        return register(uow, session_id, worker_id or f"w{session_id}")
+
+
+def given_queued(store: Any, run_id: str, **admission: Any) -> str:
+    """A queued Run with its pristine Attempt 1; returns the Attempt's id."""
+    with committed(store) as uow:
+        admit_run(uow, run_id, **admission)
+    return attempt_id_of(run_id)
+
+
+def given_created(store: Any, run_id: str, **admission: Any) -> None:
+    with committed(store) as uow:
+        admit_run(uow, run_id, queued=False, **admission)
+
+
+def given_offered(
+    store: Any, run_id: str, session_id: str, ttl_ms: int = TTL_MS, **admission: Any
+) -> str:
+    """A dispatching Run whose Attempt 1 is offered to ``session_id`` (not accepted)."""
+    attempt_id = given_queued(store, run_id, **admission)
+    with committed(store) as uow:
+        offer(uow, attempt_id, session_id, ttl_ms)
+    return attempt_id
+
+
+def given_accepted(
+    store: Any, run_id: str, session_id: str, ttl_ms: int = TTL_MS, **admission: Any
+) -> str:
+    attempt_id = given_offered(store, run_id, session_id, ttl_ms, **admission)
+    with committed(store) as uow:
+        accept_offer(uow, attempt_id, ttl_ms=ttl_ms)
+    return attempt_id
+
+
+def given_started(
+    store: Any, run_id: str, session_id: str, ttl_ms: int = TTL_MS, **admission: Any
+) -> str:
+    """A running Run whose Attempt 1 crossed the start barrier (``starting``)."""
+    attempt_id = given_accepted(store, run_id, session_id, ttl_ms, **admission)
+    with committed(store) as uow:
+        activate_attempt(uow, attempt_id, ttl_ms=ttl_ms)
+    return attempt_id
+
+
+def given_lost(store: Any, run_id: str, session_id: str, **admission: Any) -> str:
+    """A ``lost`` Run: Attempt 1 was offered, then lost (its lease released)."""
+    attempt_id = given_offered(store, run_id, session_id, **admission)
+    with committed(store) as uow:
+        lose(uow, attempt_id)
+    return attempt_id
+
+
+def given_retry_wait(store: Any, run_id: str, session_id: str) -> str:
+    """A ``retry_wait`` Run due ``RETRY_DELAY_MS`` after it was settled."""
+    attempt_id = given_lost(store, run_id, session_id, policy=RETRY_SAFELY)
+    with committed(store) as uow:
+        settle(uow, run_id)
+    return attempt_id
+
+
+def refused(store: Any, write: Callable[[UnitOfWork], object]) -> None:
+    """``write`` raises ConcurrencyConflict in a transaction of its own (which then rolls back).
+
+    The ports do not promise that a transaction stays usable after a refused write, so the
+    caller checks the outcome in a fresh one."""
+    with store.unit_of_work() as uow, pytest.raises(ConcurrencyConflict):
+        write(uow)

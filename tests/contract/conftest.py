@@ -1,0 +1,84 @@
+"""Fixtures of the port contract suite: every test runs once per store.
+
+``store``
+    A fresh, empty store implementing :class:`application.ports.RuntimeStore`, parametrised as
+    ``memory`` (:class:`adapters.memory.MemoryStore` on a :class:`adapters.memory.FakeClock`) and
+    ``postgres`` (``adapters.postgres.store.PostgresStore`` on the module's database, reset before
+    each test). The ``postgres`` case is skipped only while that module does not exist.
+``advance``
+    ``advance(ms)`` moves the store's clock forward by ``ms`` milliseconds.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from adapters.memory import FakeClock, MemoryStore
+
+POSTGRES_STORE_MODULE = "adapters.postgres.store"
+
+
+def _postgres_store_built() -> bool:
+    try:
+        return importlib.util.find_spec(POSTGRES_STORE_MODULE) is not None
+    except ModuleNotFoundError as error:
+        # A missing adapters.postgres package means "not built yet"; anything else is a bug.
+        if error.name in {"adapters.postgres", POSTGRES_STORE_MODULE}:
+            return False
+        raise
+
+
+STORES = [
+    pytest.param("memory", id="memory"),
+    pytest.param(
+        "postgres",
+        id="postgres",
+        marks=[
+            pytest.mark.postgres,
+            pytest.mark.skipif(
+                not _postgres_store_built(), reason="PostgreSQL store not built yet"
+            ),
+        ],
+    ),
+]
+
+
+@pytest.fixture(params=STORES)
+def store(request: pytest.FixtureRequest) -> Iterator[Any]:
+    if request.param == "memory":
+        memory = MemoryStore(FakeClock())
+        try:
+            yield memory
+        finally:
+            memory.close()
+        return
+    url: str = request.getfixturevalue("pg_database_url")
+    from adapters.postgres.store import PostgresStore
+
+    postgres = PostgresStore.from_url(url, create_schema=True)
+    try:
+        postgres.testing_reset()
+        yield postgres
+    finally:
+        postgres.close()
+
+
+def advance_time(store: Any, ms: int) -> None:
+    """Move a store's clock forward: the fake clock in memory, an offset added to
+    ``statement_timestamp()`` in PostgreSQL."""
+    if isinstance(store, MemoryStore):
+        store.clock.advance(ms)
+    else:
+        store.testing_advance_clock(ms)
+
+
+@pytest.fixture
+def advance(store: Any) -> Callable[[int], None]:
+    def move(ms: int) -> None:
+        advance_time(store, ms)
+
+    return move

@@ -1,0 +1,663 @@
+"""One group of tests per rule of DESIGN.md (ADR-0232), driven through the real application
+services over the memory store."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+
+import pytest
+
+import adapters.memory.store as memory_store
+from adapters.memory import FakeClock, MemoryStore
+from application.budgets import InvalidPageSize
+from application.lost_retry import LostRetry
+from application.recovery import RuntimeRecovery
+from application.scheduler import (
+    ClusterSchedulerCoordinator,
+    ClusterSchedulerLifecycle,
+    CycleSummary,
+    SchedulerCoordinator,
+)
+from bootstrap import cluster, edge, standalone
+from domain.errors import FenceRejected
+from domain.model import AttemptStatus, LeaseStatus, ReleaseReason, RunStatus
+from domain.policy import Backoff, RetryPolicy, Safety
+from tests.application.support import (
+    LEASE_TTL_MS,
+    Services,
+    Worker,
+    build_services,
+    current_attempt,
+    register,
+    run_view,
+    store_view,
+)
+
+SAFE_NO_WAIT = RetryPolicy(retry_on_lost=True, max_attempts=3, safety=Safety.IDEMPOTENT,
+                           backoff=Backoff(initial_ms=0, cap_ms=0))
+
+
+def _dispatched(svc: Services, count: int, *, policy: RetryPolicy | None = None,
+                worker_id: str = "w1") -> tuple[Worker, list[str]]:
+    run_ids = [svc.admission.submit("t", policy=policy) for _ in range(count)]
+    worker = register(svc, worker_id, capacity=max(count, 1))
+    while svc.dispatch.run_once().offered:
+        pass
+    worker.take_all()
+    return worker, run_ids
+
+
+def _fence_of(worker: Worker, svc: Services, run_id: str):  # type: ignore[no-untyped-def]
+    return worker.fences[current_attempt(svc.store, run_id).id]
+
+
+# === Rule 1: continuous runtime recovery ==========================================================
+
+
+def test_rule_1_continuous_runtime_recovery_reads_a_bounded_page() -> None:
+    svc = build_services()
+    _dispatched(svc, 70)
+    svc.clock.advance(LEASE_TTL_MS + 1)
+    page = svc.store.recovery_candidates(16)
+    assert (len(page.items), page.has_more) == (16, True)
+    page = svc.store.recovery_candidates(64)
+    assert (len(page.items), page.has_more) == (64, True)
+    with pytest.raises(ValueError):
+        svc.store.recovery_candidates(65)
+    with pytest.raises(InvalidPageSize):
+        RuntimeRecovery(svc.store.unit_of_work, svc.store, page_size=65)
+    report = svc.recovery.run_once()  # default page: 16
+    assert (report.examined, report.recovered, report.has_more) == (16, 16, True)
+    report = svc.recovery.run_once(64)
+    assert (report.examined, report.recovered, report.has_more) == (54, 54, False)
+
+
+def test_rule_1_continuous_runtime_recovery_only_expired_non_pristine_candidates() -> None:
+    svc = build_services()
+    pristine = svc.admission.submit("no-worker-takes-this")
+    _, (live_run,) = _dispatched(svc, 1)
+    assert svc.store.recovery_candidates(16).items == ()
+    assert current_attempt(svc.store, pristine).is_pristine
+    svc.clock.advance(LEASE_TTL_MS + 1)
+    items = svc.store.recovery_candidates(16).items
+    assert [c.run_id for c in items] == [live_run]
+    assert items[0].resolvable
+    report = svc.recovery.run_once()
+    assert report.recovered == 1
+    assert current_attempt(svc.store, live_run).status is AttemptStatus.LOST
+    assert svc.store.recovery_candidates(16).items == ()
+
+
+def test_rule_1_continuous_runtime_recovery_fails_closed_without_evidence() -> None:
+    svc = build_services()
+    worker, (run_id,) = _dispatched(svc, 1)
+    worker.start(_fence_of(worker, svc, run_id))
+    svc.clock.advance(LEASE_TTL_MS + 1)
+    before = store_view(svc.store, [worker.session_id])
+    for _ in range(3):  # tried again every cycle, and each time left as it is
+        summary = svc.coordinator.run_cycle()
+        assert summary.ok
+        assert summary.step("runtime_recovery").counts["awaiting_evidence"] == 1
+    assert store_view(svc.store, [worker.session_id]) == before
+
+
+def test_rule_1_continuous_runtime_recovery_unresolved_candidates_do_not_starve_others() -> None:
+    svc = build_services()
+    stuck_worker, stuck_runs = _dispatched(svc, 64, worker_id="stuck")
+    for run_id in stuck_runs:
+        stuck_worker.start(_fence_of(stuck_worker, svc, run_id))
+    svc.clock.advance(1_000)
+    _, (resolvable,) = _dispatched(svc, 1, worker_id="other")
+    svc.clock.advance(LEASE_TTL_MS + 1)
+    summary = svc.coordinator.run_cycle()
+    assert summary.ok
+    counts = summary.step("runtime_recovery").counts
+    assert counts["examined"] == 16 and counts["recovered"] == 1
+    assert current_attempt(svc.store, resolvable).status is AttemptStatus.LOST
+    assert all(
+        current_attempt(svc.store, r).status is AttemptStatus.RUNNING for r in stuck_runs
+    )
+
+
+def test_rule_1_continuous_runtime_recovery_happens_without_a_restart() -> None:
+    svc = build_services()
+    container = cluster.build(store=svc.store)
+    coordinator = container.coordinator()
+    _, (run_id,) = _dispatched(svc, 1)
+    svc.clock.advance(LEASE_TTL_MS + 1)
+    summary = coordinator.run_cycle()
+    assert summary.ok
+    assert summary.step("runtime_recovery").counts["recovered"] == 1
+    assert run_view(svc.store, run_id).run.status is RunStatus.FAILED  # no policy
+
+
+# === Rule 2: atomic lost + lease release ==========================================================
+
+
+def _break_event_append(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The event append inside the store's write raises after the lease row was written."""
+
+    def refuse(*_args: object, **_kwargs: object) -> object:
+        raise RuntimeError("injected failure while appending the event")
+
+    monkeypatch.setattr(memory_store, "StoredEvent", refuse)
+
+
+def test_rule_2_atomic_lost_and_lease_release_roll_back_together(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    svc = build_services()
+    worker, (run_id,) = _dispatched(svc, 1)
+    svc.clock.advance(LEASE_TTL_MS + 1)
+    before = store_view(svc.store, [worker.session_id])
+    with monkeypatch.context() as patch:
+        _break_event_append(patch)
+        with pytest.raises(RuntimeError, match="injected"):
+            svc.recovery.run_once()
+        summary = svc.coordinator.run_cycle()
+        assert summary.aborted_at == "runtime_recovery"
+    assert store_view(svc.store, [worker.session_id]) == before
+    view = run_view(svc.store, run_id)
+    assert view.run.status is RunStatus.DISPATCHING
+    assert view.attempts[0].status is AttemptStatus.CLAIMED
+    assert view.leases[0].status is LeaseStatus.LEASED
+    assert view.leases[0].version == 1
+
+
+def test_rule_2_atomic_lost_and_lease_release_together_then_old_fence_is_void() -> None:
+    svc = build_services()
+    worker, (run_id,) = _dispatched(svc, 1)
+    fence = _fence_of(worker, svc, run_id)
+    worker.start(fence)
+    svc.workers.close(worker.session_id, worker.secret)
+    svc.clock.advance(LEASE_TTL_MS + 1)
+    assert svc.recovery.run_once().recovered == 1
+    view = run_view(svc.store, run_id)
+    (lease,) = view.leases
+    assert view.run.status is RunStatus.LOST
+    assert view.attempts[0].status is AttemptStatus.LOST
+    assert lease.status is LeaseStatus.RELEASED
+    assert lease.version == fence.version + 1
+    assert lease.release_reason is ReleaseReason.LEASE_EXPIRED
+    assert view.attempts[0].lease_version == lease.version
+    assert [e[1] for e in view.events][-1] == "attempt_lost"
+    # The old worker comes back with a fresh session of another id: its fence is void.
+    back = register(svc, "w1")
+    back.fences = dict(worker.fences)
+    before = store_view(svc.store, [worker.session_id, back.session_id])
+    with pytest.raises(FenceRejected):
+        svc.workers.renew(back.session_id, back.secret, fence)
+    with pytest.raises(FenceRejected):
+        svc.workers.complete(back.session_id, back.secret, fence, succeeded=True)
+    assert store_view(svc.store, [worker.session_id, back.session_id]) == before
+
+
+def test_rule_2_atomic_lost_and_lease_release_old_worker_with_open_session() -> None:
+    svc = build_services()
+    worker, (run_id,) = _dispatched(svc, 1)
+    fence = _fence_of(worker, svc, run_id)  # accepted, never started
+    svc.clock.advance(LEASE_TTL_MS + 1)
+    assert svc.recovery.run_once().recovered == 1
+    before = store_view(svc.store, [worker.session_id])
+    for call in (svc.workers.renew, svc.workers.activate):
+        with pytest.raises(FenceRejected):
+            call(worker.session_id, worker.secret, fence)
+    with pytest.raises(FenceRejected):
+        svc.workers.complete(worker.session_id, worker.secret, fence, succeeded=True)
+    assert store_view(svc.store, [worker.session_id]) == before
+
+
+# === Rule 3: lost retry only when declared safe ===================================================
+
+
+@pytest.mark.parametrize("safety", [Safety.IDEMPOTENT, Safety.DEDUPLICATED])
+def test_rule_3_lost_retry_only_when_declared_safe_creates_attempt_n_plus_1(
+    safety: Safety,
+) -> None:
+    svc = build_services()
+    policy = RetryPolicy(retry_on_lost=True, max_attempts=2, safety=safety,
+                         backoff=Backoff(initial_ms=5_000, cap_ms=5_000))
+    worker, (run_id,) = _dispatched(svc, 1, policy=policy)
+    svc.clock.advance(LEASE_TTL_MS + 1)
+    svc.recovery.run_once()
+    report = svc.lost_retry.run_once()
+    assert report.retries_scheduled == 1
+    view = run_view(svc.store, run_id)
+    assert view.run.status is RunStatus.RETRY_WAIT
+    due = view.run.next_attempt_at_ms
+    assert due == svc.clock.now_ms() + 5_000
+    svc.clock.set(due - 1)
+    assert svc.lost_retry.run_once().attempts_created == 0
+    assert run_view(svc.store, run_id).run.status is RunStatus.RETRY_WAIT
+    svc.clock.set(due)
+    assert svc.lost_retry.run_once().attempts_created == 1
+    view = run_view(svc.store, run_id)
+    assert view.run.status is RunStatus.QUEUED
+    assert [(a.number, a.status) for a in view.attempts] == [
+        (1, AttemptStatus.LOST), (2, AttemptStatus.CLAIMED)
+    ]
+    assert view.attempts[1].is_pristine
+    assert view.attempts[1].lease_version is None
+    assert view.leases[0].status is LeaseStatus.RELEASED
+    # The second loss exhausts max_attempts=2: failed.
+    svc.dispatch.run_once()
+    worker.take_all()
+    svc.clock.advance(LEASE_TTL_MS + 1)
+    svc.coordinator.run_cycle()
+    assert run_view(svc.store, run_id).run.status is RunStatus.FAILED
+
+
+@pytest.mark.parametrize(
+    ("policy", "reason"),
+    [
+        (None, "no_policy"),
+        (RetryPolicy(retry_on_lost=False, max_attempts=3, safety=Safety.IDEMPOTENT),
+         "retry_on_lost_disabled"),
+        (RetryPolicy(retry_on_lost=True, max_attempts=1, safety=Safety.IDEMPOTENT),
+         "max_attempts_too_low"),
+        (RetryPolicy(retry_on_lost=True, max_attempts=3, safety=None), "safety_undeclared"),
+        (RetryPolicy(retry_on_lost=True, max_attempts=3, safety=Safety.UNSAFE), "unsafe"),
+    ],
+)
+def test_rule_3_lost_retry_only_when_declared_safe_otherwise_failed(
+    policy: RetryPolicy | None, reason: str
+) -> None:
+    svc = build_services()
+    _, (run_id,) = _dispatched(svc, 1, policy=policy)
+    svc.clock.advance(LEASE_TTL_MS + 1)
+    summary = svc.coordinator.run_cycle()
+    assert summary.step("lost_retry").counts["failed"] == 1
+    view = run_view(svc.store, run_id)
+    assert view.run.status is RunStatus.FAILED
+    assert view.events[-1][1] == "run_failed"
+    assert view.events[-1][3]["reason"] == reason
+    assert len(view.attempts) == 1
+
+
+def test_rule_3_lost_retry_only_when_declared_safe_exhausted_is_failed() -> None:
+    svc = build_services()
+    _, (run_id,) = _dispatched(svc, 1, policy=SAFE_NO_WAIT)
+    for _ in range(3):
+        svc.clock.advance(LEASE_TTL_MS + 1)
+        svc.coordinator.run_cycle()  # lost -> retry_wait -> queued -> offered again
+        worker = register(svc, "w1")
+        worker.take_all()
+    view = run_view(svc.store, run_id)
+    assert view.run.status is RunStatus.FAILED
+    assert [a.number for a in view.attempts] == [1, 2, 3]
+    assert view.events[-1][3]["reason"] == "attempts_exhausted"
+
+
+def test_rule_3_lost_retry_only_when_declared_safe_broken_head_stops_the_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    svc = build_services()
+    worker, lost_runs = _dispatched(svc, 2, policy=SAFE_NO_WAIT)
+    svc.clock.advance(LEASE_TTL_MS + 1)
+    assert svc.recovery.run_once().recovered == 2
+    waiting = svc.admission.submit("t")  # queued work the admission step would offer
+    register(svc, "w2")
+    head, second = (c.run_id for c in svc.store.lost_runs(16).items)
+    assert {head, second} == set(lost_runs)
+    original = memory_store.MemoryRunRepository.apply
+
+    def apply(self, before, change):  # type: ignore[no-untyped-def]
+        if before.run.id == head:
+            raise RuntimeError("broken head candidate")
+        return original(self, before, change)
+
+    monkeypatch.setattr(memory_store.MemoryRunRepository, "apply", apply)
+    before = store_view(svc.store, [worker.session_id])
+    summary = svc.coordinator.run_cycle()
+    assert summary.aborted_at == "lost_retry"
+    assert [s.name for s in summary.steps] == ["runtime_recovery", "lost_retry"]
+    assert store_view(svc.store, [worker.session_id]) == before
+    assert run_view(svc.store, second).run.status is RunStatus.LOST
+    assert run_view(svc.store, waiting).run.status is RunStatus.QUEUED
+    with pytest.raises(RuntimeError, match="broken head"):
+        svc.lost_retry.run_once()
+    assert run_view(svc.store, second).run.status is RunStatus.LOST
+    monkeypatch.undo()
+    summary = svc.coordinator.run_cycle()
+    assert summary.ok
+    assert run_view(svc.store, second).run.status is RunStatus.DISPATCHING
+
+
+# === Rule 4: one cadence, fixed order =============================================================
+
+
+@dataclass
+class RecordingStep:
+    name: str
+    calls: list[str]
+    fail: bool = False
+    counts_: Mapping[str, int] = field(default_factory=dict)
+
+    def run_once(self) -> RecordingStep:
+        self.calls.append(self.name)
+        if self.fail:
+            raise RuntimeError(f"{self.name} failed")
+        return self
+
+    def counts(self) -> Mapping[str, int]:
+        return {"ran": 1}
+
+
+def _recording(fail: str | None = None) -> tuple[ClusterSchedulerCoordinator, list[str]]:
+    calls: list[str] = []
+    names = ClusterSchedulerCoordinator.STEP_NAMES
+    step = {n: RecordingStep(n, calls, fail=(n == fail)) for n in names}
+    inner = SchedulerCoordinator(
+        trigger_schedule=step["trigger_schedule"],
+        workflow_frontier=step["workflow_frontier"],
+        task_attempt_admission=step["task_attempt_admission"],
+    )
+    return ClusterSchedulerCoordinator(
+        runtime_recovery=step["runtime_recovery"], lost_retry=step["lost_retry"], inner=inner
+    ), calls
+
+
+def test_rule_4_one_cadence_fixed_order() -> None:
+    coordinator, calls = _recording()
+    summary = coordinator.run_cycle()
+    expected = ["runtime_recovery", "lost_retry", "trigger_schedule", "workflow_frontier",
+                "task_attempt_admission"]
+    assert calls == expected
+    assert [s.name for s in summary.steps] == expected
+    assert summary.ok and all(s.counts == {"ran": 1} for s in summary.steps)
+
+
+@pytest.mark.parametrize("failing", ["runtime_recovery", "lost_retry"])
+def test_rule_4_one_cadence_fixed_order_aborts_after_a_failure(failing: str) -> None:
+    coordinator, calls = _recording(fail=failing)
+    summary = coordinator.run_cycle()
+    order = list(ClusterSchedulerCoordinator.STEP_NAMES)
+    assert calls == order[: order.index(failing) + 1]
+    assert summary.aborted_at == failing
+    assert not summary.ok
+    assert summary.step(failing).error == f"RuntimeError: {failing} failed"
+    for later in order[order.index(failing) + 1:]:
+        assert summary.step(later) is None
+
+
+def test_rule_4_one_cadence_fixed_order_cluster_container_wiring() -> None:
+    clock = FakeClock()
+    store = MemoryStore(clock)
+    container = cluster.build(store=store)
+    coordinator = container.coordinator()
+    assert isinstance(coordinator, ClusterSchedulerCoordinator)
+    assert container.coordinator() is coordinator
+    assert container.lifecycle() is container.lifecycle()
+    run_id = container.core.admission().submit("t")
+    grant = container.core.worker_commands().register("w1", 1, ["t"])
+    summary = coordinator.run_cycle()
+    assert [s.name for s in summary.steps] == list(ClusterSchedulerCoordinator.STEP_NAMES)
+    assert summary.step("task_attempt_admission").counts["offered"] == 1
+    offers = container.core.worker_commands().heartbeat(grant.session_id, grant.secret)
+    assert [o.run_id for o in offers] == [run_id]
+
+
+def test_rule_4_coordinator_holds_only_its_collaborators() -> None:
+    svc = build_services()
+    coordinator = svc.coordinator
+    assert not hasattr(coordinator, "__dict__")
+    slots = [s for cls in type(coordinator).__mro__ for s in getattr(cls, "__slots__", ())]
+    assert sorted(slots) == ["_inner", "_lost_retry", "_recovery"]
+    values = [getattr(coordinator, s) for s in slots]
+    assert {id(v) for v in values} == {id(svc.recovery), id(svc.lost_retry), id(svc.inner)}
+    forbidden = (type(threading.Lock()), type(threading.RLock()), threading.Thread,
+                 threading.Timer, threading.Condition, threading.Event, dict, list, set)
+    for value in values:
+        assert not isinstance(value, forbidden)
+        name = type(value).__name__
+        assert not name.endswith(("Pool", "Connection", "Cursor", "Engine", "Timer", "Thread"))
+    with pytest.raises(AttributeError):
+        coordinator.per_run_state = {}  # type: ignore[attr-defined]
+
+
+class BlockingCoordinator:
+    """Counts cycles and concurrency; the first ``block`` cycles wait for ``release``."""
+
+    def __init__(self, block: int = 1) -> None:
+        self.release = threading.Event()
+        self.entered = threading.Event()
+        self.started = 0
+        self.finished = 0
+        self.concurrent = 0
+        self.max_concurrent = 0
+        self._lock = threading.Lock()
+        self._block = block
+
+    def run_cycle(self) -> CycleSummary:
+        with self._lock:
+            self.started += 1
+            self.concurrent += 1
+            self.max_concurrent = max(self.max_concurrent, self.concurrent)
+            number = self.started
+        self.entered.set()
+        if number <= self._block:
+            assert self.release.wait(10), "test never released the cycle"
+        else:
+            time.sleep(0.005)
+        with self._lock:
+            self.concurrent -= 1
+            self.finished += 1
+        return CycleSummary(steps=())
+
+
+def _wait_for(predicate, timeout: float = 5.0) -> bool:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.005)
+    return predicate()
+
+
+@pytest.fixture
+def lifecycle_for() -> Iterator:  # type: ignore[type-arg]
+    made: list[tuple[ClusterSchedulerLifecycle, BlockingCoordinator]] = []
+
+    def make(coordinator: BlockingCoordinator,
+             cadence_s: float = 3600.0) -> ClusterSchedulerLifecycle:
+        lifecycle = ClusterSchedulerLifecycle(coordinator, cadence_s=cadence_s)
+        made.append((lifecycle, coordinator))
+        return lifecycle
+
+    yield make
+    for lifecycle, coordinator in made:
+        coordinator.release.set()
+        lifecycle.stop(timeout=5)
+
+
+@pytest.mark.parametrize("wakes", [1, 5])
+def test_rule_4_one_cadence_wakes_during_a_cycle_coalesce_into_one(lifecycle_for, wakes) -> None:  # type: ignore[no-untyped-def]
+    coordinator = BlockingCoordinator(block=1)
+    lifecycle = lifecycle_for(coordinator)
+    lifecycle.start()
+    lifecycle.wake()
+    assert coordinator.entered.wait(5)
+    for _ in range(wakes):
+        lifecycle.wake()
+    assert lifecycle.run_cycle_now() is None  # coalesced too, never a second cycle at once
+    coordinator.release.set()
+    assert _wait_for(lambda: coordinator.finished >= 2)
+    time.sleep(0.2)
+    assert coordinator.started == 2
+    assert coordinator.max_concurrent == 1
+    assert lifecycle.cycles == 2
+
+
+def test_rule_4_one_cadence_never_two_cycles_at_once(lifecycle_for) -> None:  # type: ignore[no-untyped-def]
+    coordinator = BlockingCoordinator(block=0)
+    lifecycle = lifecycle_for(coordinator, cadence_s=0.001)
+    lifecycle.start()
+    def hammer() -> None:
+        deadline = time.monotonic() + 0.3
+        while time.monotonic() < deadline:
+            if lifecycle.run_cycle_now() is None:
+                lifecycle.wake()
+            time.sleep(0.001)
+
+    callers = [threading.Thread(target=hammer) for _ in range(4)]
+    for caller in callers:
+        caller.start()
+    for caller in callers:
+        caller.join(10)
+    lifecycle.stop(timeout=5)
+    assert coordinator.started >= 5
+    assert coordinator.max_concurrent == 1
+
+
+def test_rule_4_one_cadence_stop_waits_for_the_running_cycle(lifecycle_for) -> None:  # type: ignore[no-untyped-def]
+    coordinator = BlockingCoordinator(block=1)
+    lifecycle = lifecycle_for(coordinator)
+    lifecycle.start()
+    lifecycle.wake()
+    assert coordinator.entered.wait(5)
+    lifecycle.wake()  # a follow-up was requested, but stop comes first
+    stopper = threading.Thread(target=lifecycle.stop)
+    stopper.start()
+    time.sleep(0.1)
+    assert stopper.is_alive(), "stop() returned while a cycle was still running"
+    coordinator.release.set()
+    stopper.join(5)
+    assert not stopper.is_alive()
+    assert coordinator.finished == 1
+    assert lifecycle.run_cycle_now() is None
+    lifecycle.wake()
+    time.sleep(0.1)
+    assert coordinator.started == 1
+    with pytest.raises(RuntimeError):
+        lifecycle.start()
+
+
+def test_rule_4_one_cadence_stop_waits_for_a_cycle_run_by_a_caller(lifecycle_for) -> None:  # type: ignore[no-untyped-def]
+    """A cycle started with run_cycle_now() in another thread is still "the running cycle"."""
+    coordinator = BlockingCoordinator(block=1)
+    lifecycle = lifecycle_for(coordinator)
+    lifecycle.start()
+    caller = threading.Thread(target=lifecycle.run_cycle_now)
+    caller.start()
+    assert coordinator.entered.wait(5)
+    stopper = threading.Thread(target=lifecycle.stop)
+    stopper.start()
+    stopper.join(0.3)
+    still_waiting = stopper.is_alive()
+    coordinator.release.set()
+    caller.join(5)
+    stopper.join(5)
+    assert still_waiting, "stop() returned while a run_cycle_now() cycle was still running"
+
+
+def test_rule_4_one_cadence_timer_drives_cycles(lifecycle_for) -> None:  # type: ignore[no-untyped-def]
+    coordinator = BlockingCoordinator(block=0)
+    lifecycle = lifecycle_for(coordinator, cadence_s=0.01)
+    lifecycle.start()
+    assert _wait_for(lambda: coordinator.finished >= 3)
+    lifecycle.stop(timeout=5)
+    done = coordinator.finished
+    time.sleep(0.1)
+    assert coordinator.finished == done
+    assert coordinator.max_concurrent == 1
+
+
+# === Rule 5: no wider footprint ===================================================================
+
+
+def _scheduler_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "ql3-scheduler" and t.is_alive()]
+
+
+def test_rule_5_no_wider_footprint_one_lifecycle_one_thread() -> None:
+    svc = build_services()
+    container = cluster.build(store=svc.store, cadence_s=3600.0)
+    lifecycle = container.lifecycle()
+    assert container.lifecycle() is lifecycle
+    ours = set(threading.enumerate())
+    lifecycle.start()
+    lifecycle.start()  # idempotent: still one timer
+    try:
+        assert _wait_for(lambda: len(set(threading.enumerate()) - ours) == 1)
+        new = set(threading.enumerate()) - ours
+        assert [t.name for t in new] == ["ql3-scheduler"]
+        # Recovery and lost retry run without creating threads of their own.
+        _dispatched(svc, 3, policy=SAFE_NO_WAIT)
+        svc.clock.advance(LEASE_TTL_MS + 1)
+        before = set(threading.enumerate())
+        assert container.runtime_recovery().run_once().recovered == 3
+        assert container.lost_retry().run_once().changed >= 3
+        summary = lifecycle.run_cycle_now()
+        assert summary is None or summary.ok
+        assert set(threading.enumerate()) == before
+    finally:
+        lifecycle.stop(timeout=5)
+    assert not [t for t in new if t.is_alive()]
+
+
+CLUSTER_ONLY = (RuntimeRecovery, LostRetry, ClusterSchedulerCoordinator, ClusterSchedulerLifecycle)
+
+
+@pytest.mark.parametrize("profile", [standalone, edge], ids=["standalone", "edge"])
+def test_rule_5_no_wider_footprint_standalone_and_edge_declare_no_cluster_steps(profile) -> None:  # type: ignore[no-untyped-def]
+    container = profile.build()
+    provided = []
+    for provider in container.traverse():
+        provides = getattr(provider, "provides", None)
+        if isinstance(provides, type):
+            provided.append(provides)
+    assert MemoryStore in provided
+    assert provided, "the walk found no providers"
+    for cls in provided:
+        assert not issubclass(cls, CLUSTER_ONLY), cls
+
+
+@pytest.mark.parametrize("profile", [standalone, edge], ids=["standalone", "edge"])
+def test_rule_5_no_wider_footprint_standalone_and_edge_build_no_cluster_objects(profile) -> None:  # type: ignore[no-untyped-def]
+    store = MemoryStore(FakeClock())
+    container = profile.build(store=store)
+    built = [
+        container.startup_recovery(),
+        container.core.scheduler(),
+        container.core.admission(),
+        container.core.worker_commands(),
+        container.core.task_attempt_admission(),
+    ]
+    for obj in built:
+        assert not isinstance(obj, CLUSTER_ONLY)
+    assert container.store() is store
+    run_id = container.core.admission().submit("t")
+    assert run_view(store, run_id).run.status is RunStatus.QUEUED
+    summary = container.core.scheduler().run_cycle()
+    assert [s.name for s in summary.steps] == list(SchedulerCoordinator.STEP_NAMES)
+    assert container.startup_recovery().run().pages == 1
+    assert not _scheduler_threads()
+
+
+def test_rule_5_no_wider_footprint_standalone_and_edge_never_load_postgres() -> None:
+    script = textwrap.dedent(
+        """
+        import sys
+        from bootstrap import edge, standalone
+        for profile in (standalone, edge):
+            container = profile.build()
+            container.startup_recovery().run()
+            container.core.scheduler().run_cycle()
+            container.core.admission().submit("t")
+            container.core.worker_commands()
+        loaded = sorted(m for m in sys.modules
+                        if m == "psycopg" or m.startswith(("psycopg.", "psycopg_",
+                                                           "adapters.postgres")))
+        print("LOADED:" + ",".join(loaded))
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=120, cwd=str(__import__("pathlib").Path(__file__).parents[1]))
+    assert result.returncode == 0, result.stderr
+    assert "LOADED:\n" in result.stdout or result.stdout.strip() == "LOADED:"
