@@ -105,8 +105,11 @@ class RunRepository(Protocol):
     def add(self, change: Change) -> None:
         """Insert a newly admitted Run, its Attempts and its event."""
 
-    def lock_attempt(self, attempt_id: str) -> Snapshot | None:
-        """Take the Attempt's advisory lock, then row locks on Run, Attempt and lease."""
+    def lock_attempt(self, attempt_id: str, *, skip_locked: bool = False) -> Snapshot | None:
+        """Take the Attempt's advisory lock, then row locks on Run, Attempt and lease.
+
+        With ``skip_locked`` it returns None at once when another transaction holds the
+        Attempt's advisory lock (another replica is resolving that candidate)."""
 
     def lock_run(self, run_id: str) -> Snapshot | None:
         """Lock a Run the same way, through its current Attempt when it has one."""

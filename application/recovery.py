@@ -43,7 +43,9 @@ def recover_candidate(uow: UnitOfWork, attempt_id: str) -> RecoveryHold | None:
 
     Returns None when the Attempt was recovered, else the reason it stays as it is. The caller
     commits."""
-    snapshot = uow.runs.lock_attempt(attempt_id)
+    # Another replica holding the candidate is resolving it: go on with the next one rather
+    # than queue behind it (both would read the same page in the same order).
+    snapshot = uow.runs.lock_attempt(attempt_id, skip_locked=True)
     if snapshot is None or snapshot.attempt is None:
         return RecoveryHold.NOT_A_CANDIDATE
     attempt = snapshot.attempt

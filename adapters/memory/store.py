@@ -310,7 +310,8 @@ class MemoryRunRepository:
         _check_invariants(state, writes, change)
         _install(self._uow.write(), writes, change)
 
-    def lock_attempt(self, attempt_id: str) -> Snapshot | None:
+    def lock_attempt(self, attempt_id: str, *, skip_locked: bool = False) -> Snapshot | None:
+        # A memory transaction holds the store's lock for its whole life: never contended.
         state = self._uow.read()
         attempt = state.attempts.get(attempt_id)
         if attempt is None:

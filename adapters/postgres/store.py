@@ -209,8 +209,12 @@ class PostgresRunRepository:
 
         self._uow.atomically(insert_all)
 
-    def lock_attempt(self, attempt_id: str) -> Snapshot | None:
-        self._uow.execute(queries.advisory_lock(attempt_id))
+    def lock_attempt(self, attempt_id: str, *, skip_locked: bool = False) -> Snapshot | None:
+        if skip_locked:
+            if not self._uow.execute(queries.try_advisory_lock(attempt_id)).scalar_one():
+                return None
+        else:
+            self._uow.execute(queries.advisory_lock(attempt_id))
         row = self._uow.execute(queries.lock_attempt_rows(attempt_id)).mappings().first()
         if row is None:
             return None
@@ -383,6 +387,7 @@ class PostgresStore:
             pool_size=pool_size,
             max_overflow=0,
             pool_pre_ping=True,
+            hide_parameters=True,  # errors reach cycle summaries and logs: no tokens in them
             isolation_level="READ COMMITTED",
         )
         return cls(engine)

@@ -1,0 +1,50 @@
+"""``python -m benchmarks <recovery|idle> [options]``."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+from benchmarks.common import ADMIN_URL_ENV, ArgumentParser, BenchmarkError, admin_url
+
+
+def parser() -> ArgumentParser:
+    from benchmarks import idle, recovery
+
+    top = ArgumentParser(
+        prog="python -m benchmarks",
+        description=(
+            "QL3 runtime benchmarks against a PostgreSQL server. Each creates and drops its own"
+            f" databases on the server named by ${ADMIN_URL_ENV} (an admin URL)."
+        ),
+    )
+    commands = top.add_subparsers(dest="command", metavar="{recovery,idle}")
+    commands.required = True
+    recovery.add_arguments(
+        commands.add_parser(
+            "recovery", help="runtime recovery throughput vs pgbench TPC-B, 1 client"
+        )
+    )
+    idle.add_arguments(
+        commands.add_parser("idle", help="one idle Cluster cycle: empty vs large history")
+    )
+    return top
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    from benchmarks import idle, recovery
+
+    run = {"recovery": recovery.main, "idle": idle.main}[args.command]
+    try:
+        return run(args, admin_url())
+    except BenchmarkError as error:
+        print(f"python -m benchmarks {args.command}: error: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"python -m benchmarks {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

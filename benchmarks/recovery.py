@@ -1,0 +1,414 @@
+"""Runtime recovery throughput against single-client pgbench TPC-B on the same server.
+
+Seeds N runtime-owned Runs whose only Attempt holds an expired ``leased`` lease and is a
+recovery candidate the domain can settle: three in four are ``claimed`` Attempts that were
+offered and accepted but never started (no evidence needed), one in four are ``running``
+Attempts whose worker session is ``closed`` (trusted not-running evidence). Then it times
+``RuntimeRecovery.run_once(page_size)`` of the Cluster composition root until no candidate is
+left, verifies the outcome with SQL, and runs ``pgbench -c 1 -j 1 -T <seconds>`` on a separate
+database of the same server. ``ratio = recovered_per_s / pgbench_tps``; the target is >= 0.8.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import re
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from sqlalchemy import event
+
+from application.ports import HARD_PAGE_CAP
+from benchmarks.common import (
+    BenchmarkError,
+    Stopwatch,
+    bounded_int,
+    connect,
+    migrated_database,
+    peak_rss_mb,
+    positive_int,
+    print_json,
+    print_table,
+    say,
+    server_address,
+    throwaway_database,
+)
+
+TARGET_RATIO = 0.8
+RECOVERY_PAGE_SIZE_SETTING = 64
+SESSIONS_PER_KIND = 32
+STARTED_EVERY = 4  # every 4th Attempt is a started one whose session is closed
+PGBENCH_CANDIDATES = ("/usr/bin/pgbench",)
+TPS_LINE = re.compile(
+    r"^tps = ([0-9.]+) \((?:without initial connection time|excluding connections establishing)\)",
+    re.MULTILINE,
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print one JSON object last")
+    parser.add_argument("--attempts", type=positive_int, default=10_000, metavar="N")
+    parser.add_argument("--page-size", type=bounded_int(1, HARD_PAGE_CAP), default=64, metavar="N")
+    parser.add_argument("--pgbench-seconds", type=positive_int, default=10, metavar="S")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="run the timed recovery under cProfile and print where the time goes",
+    )
+
+
+# --- seeding -----------------------------------------------------------------------------------
+
+# One statement per table, each set-based over generate_series. Attempt i belongs to Run i.
+# Sessions: bench-open-NN are active (their worker stalled), bench-gone-NN are closed.
+_SEED = (
+    """
+    INSERT INTO worker_sessions (id, worker_id, status, capacity, tasks, secret_hash,
+                                 registered_at, last_heartbeat_at, closed_at)
+    SELECT 'bench-' || kind || '-' || lpad(s::text, 2, '0'),
+           'bench-worker-' || kind || '-' || lpad(s::text, 2, '0'),
+           CASE kind WHEN 'open' THEN 'active' ELSE 'closed' END,
+           64, '["bench.task"]'::jsonb, md5('secret-' || kind || s),
+           now() - interval '1 hour', now() - interval '5 minutes',
+           CASE kind WHEN 'open' THEN NULL ELSE now() - interval '5 minutes' END
+    FROM generate_series(0, %(sessions)s::int - 1) AS s, (VALUES ('open'), ('gone')) AS k(kind)
+    """,
+    """
+    INSERT INTO runs (id, task, owner, status, input, has_policy, attempt_count,
+                      created_at, updated_at)
+    SELECT 'bench-run-' || lpad(i::text, 9, '0'), 'bench.task', 'runtime',
+           CASE WHEN i %% %(every)s = 0 THEN 'running' ELSE 'dispatching' END,
+           jsonb_build_object('n', i), false, 1,
+           now() - interval '10 minutes', now() - interval '9 minutes'
+    FROM generate_series(1, %(n)s::int) AS i
+    """,
+    """
+    INSERT INTO run_attempts (id, run_id, number, status, session_id, worker_id,
+                              lease_generation, lease_version, offered_at, accepted_at,
+                              started_at, created_at, updated_at)
+    SELECT 'bench-attempt-' || lpad(i::text, 9, '0'), 'bench-run-' || lpad(i::text, 9, '0'), 1,
+           CASE WHEN started THEN 'running' ELSE 'claimed' END,
+           session, replace(session, 'bench-', 'bench-worker-'),
+           1, 1, now() - interval '9 minutes', now() - interval '9 minutes',
+           CASE WHEN started THEN now() - interval '9 minutes' END,
+           now() - interval '10 minutes', now() - interval '9 minutes'
+    FROM (
+        SELECT i, i %% %(every)s = 0 AS started,
+               'bench-' || CASE WHEN i %% %(every)s = 0 THEN 'gone' ELSE 'open' END
+                   || '-' || lpad((i %% %(sessions)s)::text, 2, '0') AS session
+        FROM generate_series(1, %(n)s::int) AS i
+    ) AS seed
+    """,
+    """
+    INSERT INTO run_dispatch_leases (run_id, generation, attempt_id, version, status,
+                                     holder_session_id, token_hash, expires_at, granted_at)
+    SELECT a.run_id, 1, a.id, 1, 'leased', a.session_id, md5('token-' || a.id),
+           now() - interval '2 minutes',
+           now() - interval '9 minutes'
+    FROM run_attempts AS a
+    """,
+    """
+    INSERT INTO run_events (run_id, attempt_id, type, at, data)
+    SELECT a.run_id, a.id, e.type, a.offered_at, e.data
+    FROM run_attempts AS a
+    CROSS JOIN LATERAL (VALUES
+        (1, 'run_admitted', '{"task": "bench.task"}'::jsonb),
+        (2, 'attempt_offered', jsonb_build_object('session_id', a.session_id,
+                                                  'worker_id', a.worker_id, 'generation', 1)),
+        (3, 'attempt_accepted', '{}'::jsonb),
+        (4, CASE WHEN a.status = 'running' THEN 'attempt_activated' END, '{}'::jsonb),
+        (5, CASE WHEN a.status = 'running' THEN 'attempt_running' END, '{}'::jsonb)
+    ) AS e(step, type, data)
+    WHERE e.type IS NOT NULL
+    ORDER BY a.run_id, e.step
+    """,
+)
+
+
+def seed(url: str, attempts: int) -> float:
+    """Seed the candidates; returns the seconds it took (VACUUM ANALYZE included)."""
+    watch = Stopwatch()
+    params = {"n": attempts, "every": STARTED_EVERY, "sessions": SESSIONS_PER_KIND}
+    with connect(url) as conn:
+        for statement in _SEED:
+            conn.execute(statement, params)
+        conn.commit()
+    with connect(url, autocommit=True) as conn:
+        conn.execute("VACUUM ANALYZE")
+    return watch.seconds()
+
+
+def count_candidates(url: str) -> int:
+    """Candidates as the store's own recovery query sees them (sanity check of the seed)."""
+    from sqlalchemy import create_engine, func, select
+    from sqlalchemy.pool import NullPool
+
+    from adapters.postgres.queries import recovery_candidates_query
+
+    query = recovery_candidates_query(10_000_000).subquery()
+    engine = create_engine(url, poolclass=NullPool)
+    try:
+        with engine.connect() as connection:
+            total = select(func.count()).select_from(query).where(query.c.run_id.is_not(None))
+            return int(connection.execute(total).scalar_one())
+    finally:
+        engine.dispose()
+
+
+# --- verification ------------------------------------------------------------------------------
+
+_CHECKS = (
+    (
+        "runs",
+        "SELECT count(*) FILTER (WHERE status = 'lost'), count(*) FROM runs",
+    ),
+    (
+        "attempts",
+        "SELECT count(*) FILTER (WHERE status = 'lost' AND lease_version = 2"
+        " AND finished_at IS NOT NULL"
+        " AND lost_evidence IS NOT DISTINCT FROM"
+        "     CASE WHEN started_at IS NOT NULL THEN 'session_closed' END),"
+        " count(*) FROM run_attempts",
+    ),
+    (
+        "leases",
+        "SELECT count(*) FILTER (WHERE status = 'released' AND version = 2"
+        " AND release_reason = 'lease_expired' AND released_at IS NOT NULL),"
+        " count(*) FROM run_dispatch_leases",
+    ),
+    (
+        "attempt_lost events",
+        "SELECT count(*) FILTER (WHERE lost = 1), count(*) FROM ("
+        " SELECT (SELECT count(*) FROM run_events AS e"
+        "         WHERE e.attempt_id = a.id AND e.run_id = a.run_id"
+        "           AND e.type = 'attempt_lost') AS lost"
+        " FROM run_attempts AS a) AS per_attempt",
+    ),
+    (
+        "attempt_lost events in all",
+        "SELECT count(*), count(*) FROM run_events WHERE type = 'attempt_lost'",
+    ),
+)
+
+
+def verify(url: str, attempts: int) -> None:
+    """Every Attempt lost, every lease released (v2, lease_expired), one attempt_lost event per
+    Attempt. Raises BenchmarkError naming what does not hold."""
+    failures = []
+    with connect(url) as conn:
+        for what, statement in _CHECKS:
+            row = conn.execute(statement).fetchone()
+            assert row is not None
+            good, total = int(row[0]), int(row[1])
+            if good != attempts or total != attempts:
+                failures.append(f"{what}: {good} as expected of {total}, want {attempts}")
+    if failures:
+        raise BenchmarkError("verification failed: " + "; ".join(failures))
+
+
+# --- the timed recovery ------------------------------------------------------------------------
+
+
+@contextmanager
+def statement_counter(engine: Any) -> Iterator[dict[str, int]]:
+    """Counts statements sent through SQLAlchemy cursors and pool checkouts on ``engine``."""
+    counts = {"statements": 0, "checkouts": 0}
+
+    def on_statement(*_: Any) -> None:
+        counts["statements"] += 1
+
+    def on_checkout(*_: Any) -> None:
+        counts["checkouts"] += 1
+
+    event.listen(engine, "before_cursor_execute", on_statement)
+    event.listen(engine.pool, "checkout", on_checkout)
+    try:
+        yield counts
+    finally:
+        event.remove(engine, "before_cursor_execute", on_statement)
+        event.remove(engine.pool, "checkout", on_checkout)
+
+
+def run_recovery(
+    url: str, attempts: int, page_size: int, profiler: cProfile.Profile | None
+) -> dict[str, Any]:
+    from bootstrap.cluster import build
+
+    container = build(database_url=url, recovery_page_size=RECOVERY_PAGE_SIZE_SETTING)
+    store = container.store()
+    try:
+        recovery = container.runtime_recovery()
+        # Warm the pool and the compiled-statement cache outside the clock, changing nothing.
+        with store.unit_of_work() as uow:
+            uow.now_ms()
+        recovered = passes = 0
+        with statement_counter(store.engine) as counts:
+            if profiler is not None:
+                profiler.enable()
+            watch = Stopwatch()
+            cpu_start = time.process_time()
+            while True:
+                report = recovery.run_once(page_size)
+                passes += 1
+                recovered += report.recovered
+                if report.examined == 0:
+                    break
+                if report.recovered == 0:
+                    raise BenchmarkError(
+                        f"recovery stopped making progress after {recovered} attempts:"
+                        f" {report.counts()}"
+                    )
+            seconds = watch.seconds()
+            cpu_seconds = time.process_time() - cpu_start
+            if profiler is not None:
+                profiler.disable()
+    finally:
+        store.close()
+    if recovered != attempts:
+        raise BenchmarkError(f"recovered {recovered} attempts, seeded {attempts}")
+    return {
+        "recovered": recovered,
+        "seconds": seconds,
+        "cpu_seconds": cpu_seconds,
+        "passes": passes,
+        "statements": counts["statements"],
+        "checkouts": counts["checkouts"],
+    }
+
+
+# --- pgbench -----------------------------------------------------------------------------------
+
+
+def pgbench_binary() -> str:
+    for candidate in PGBENCH_CANDIDATES:
+        if os.access(candidate, os.X_OK):
+            return candidate
+    found = shutil.which("pgbench")
+    if found is None:
+        raise BenchmarkError("pgbench not found (looked at /usr/bin/pgbench and on PATH)")
+    return found
+
+
+def _pgbench(args: list[str], admin: str, database: str, timeout_s: float) -> str:
+    address = server_address(admin)
+    env = dict(os.environ)
+    if address.password is not None:
+        env["PGPASSWORD"] = address.password
+    command = [
+        pgbench_binary(),
+        "-h",
+        address.host,
+        "-p",
+        str(address.port),
+        "-U",
+        address.user,
+        *args,
+        database,
+    ]
+    try:
+        done = subprocess.run(
+            command, env=env, capture_output=True, text=True, timeout=timeout_s, check=False
+        )
+    except subprocess.TimeoutExpired:
+        raise BenchmarkError(f"pgbench {' '.join(args)} did not finish in {timeout_s}s") from None
+    if done.returncode != 0:
+        detail = " ".join((done.stderr or done.stdout).split())[-400:]
+        raise BenchmarkError(f"pgbench {' '.join(args)} failed ({done.returncode}): {detail}")
+    return done.stdout
+
+
+def run_pgbench(admin: str, seconds: int) -> float:
+    """TPC-B, 1 client, 1 thread, on a freshly initialised scale-1 database; returns tps
+    without connection establishment."""
+    with throwaway_database(admin, "ql3_bench_pgbench") as (name, _):
+        _pgbench(["-i", "-s", "1", "-q"], admin, name, timeout_s=300)
+        output = _pgbench(
+            ["-c", "1", "-j", "1", "-T", str(seconds)], admin, name, timeout_s=seconds + 120
+        )
+    match = TPS_LINE.search(output)
+    if match is None:
+        raise BenchmarkError(f"no tps line in pgbench output: {output.strip()[-400:]!r}")
+    return float(match.group(1))
+
+
+# --- the command -------------------------------------------------------------------------------
+
+
+def _profile_text(profiler: cProfile.Profile, limit: int = 30) -> str:
+    out = io.StringIO()
+    stats = pstats.Stats(profiler, stream=out)
+    stats.sort_stats(pstats.SortKey.TIME).print_stats(limit)
+    stats.sort_stats(pstats.SortKey.CUMULATIVE).print_stats(limit)
+    return out.getvalue()
+
+
+def main(args: argparse.Namespace, admin: str) -> int:
+    total = Stopwatch()
+    profiler = cProfile.Profile() if args.profile else None
+    with migrated_database(admin, "ql3_bench_recovery") as url:
+        say(f"recovery: seeding {args.attempts:,} expired candidates")
+        seed_s = seed(url, args.attempts)
+        candidates = count_candidates(url)
+        if candidates != args.attempts:
+            raise BenchmarkError(
+                f"the store's recovery query sees {candidates} candidates, seeded {args.attempts}"
+            )
+        say(f"recovery: seeded in {seed_s:.2f}s; recovering with page size {args.page_size}")
+        timed = run_recovery(url, args.attempts, args.page_size, profiler)
+        verify(url, args.attempts)
+    say(f"recovery: verified; pgbench TPC-B -c 1 -j 1 -T {args.pgbench_seconds}")
+    tps = run_pgbench(admin, args.pgbench_seconds)
+    recovered_per_s = timed["recovered"] / timed["seconds"]
+    ratio = recovered_per_s / tps
+    result: dict[str, Any] = {
+        "recovered_per_s": round(recovered_per_s, 1),
+        "pgbench_tps": round(tps, 1),
+        "ratio": round(ratio, 3),
+        "peak_rss_mb": peak_rss_mb(),
+        "attempts": args.attempts,
+        "started_with_closed_session": args.attempts // STARTED_EVERY,
+        "page_size": args.page_size,
+        "recovery_seconds": round(timed["seconds"], 3),
+        "passes": timed["passes"],
+        "recovery_cpu_seconds": round(timed["cpu_seconds"], 3),
+        "statements_per_attempt": round(timed["statements"] / timed["recovered"], 2),
+        "checkouts_per_attempt": round(timed["checkouts"] / timed["recovered"], 2),
+        "seed_seconds": round(seed_s, 2),
+        "pgbench_seconds": args.pgbench_seconds,
+        "target_ratio": TARGET_RATIO,
+        "meets_target": ratio >= TARGET_RATIO,
+        "total_seconds": round(total.seconds(), 1),
+    }
+    print_table(
+        "Runtime recovery vs pgbench TPC-B (1 client)",
+        [
+            ("attempts", args.attempts, "expired leased; 1 in 4 started + session closed"),
+            ("seed_seconds", result["seed_seconds"], "set-based INSERT ... SELECT + VACUUM"),
+            ("recovery_seconds", result["recovery_seconds"], f"{timed['passes']} run_once passes"),
+            ("recovered_per_s", result["recovered_per_s"], f"page size {args.page_size}"),
+            (
+                "recovery_cpu_seconds",
+                result["recovery_cpu_seconds"],
+                "CPU time of this process while recovering",
+            ),
+            ("statements_per_attempt", result["statements_per_attempt"], "via SQLAlchemy cursor"),
+            ("checkouts_per_attempt", result["checkouts_per_attempt"], "pool checkouts (pre-ping)"),
+            ("pgbench_tps", result["pgbench_tps"], "without initial connection time"),
+            ("ratio", result["ratio"], f"target >= {TARGET_RATIO}"),
+            ("peak_rss_mb", result["peak_rss_mb"], "ru_maxrss of this process"),
+            ("total_seconds", result["total_seconds"], ""),
+        ],
+    )
+    if profiler is not None:
+        print(_profile_text(profiler))
+    if args.json:
+        print_json(result)
+    return 0

@@ -1,0 +1,433 @@
+"""Transient database faults during a Cluster scheduler cycle.
+
+For each fault: the cycle ends cleanly (``run_cycle`` returns a summary that names the failed
+step; no exception escapes), nothing is half-written (each Run is either lost as a whole, with its
+lease released and one ``attempt_lost`` event, or untouched), and the next cycle goes on and
+recovers the work.
+
+Faults: (a) a serialization failure and (b) a deadlock victim, (c) ``pg_terminate_backend`` of
+the store's connections between cycles and in the middle of a cycle, (d) a restart of the server.
+(a) is injected by a temporary trigger that raises SQLSTATE 40001 while a flag row exists; (b) is a
+real deadlock between the recovery transaction and an outside transaction that takes the same
+rows in the opposite order; (d) uses a private server that this module starts and restarts.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import psycopg
+import pytest
+from sqlalchemy.engine import URL, make_url
+
+from adapters.postgres.migrate import upgrade
+from adapters.postgres.store import PostgresStore
+from application.scheduler import CycleSummary
+from bootstrap.cluster import ClusterContainer, build
+from tests.postgres_server import (
+    DRIVER,
+    LOCAL_HOST,
+    LOCAL_USER,
+    SERVER_START_TIMEOUT_S,
+    PostgresServer,
+    PrivateServer,
+    ServerUnavailable,
+    _run,
+    connect,
+    start_private_server,
+)
+from tests.replicas.seeding import (
+    SeededState,
+    deadlocks,
+    half_written,
+    lost_events_per_attempt,
+    seed_with_services,
+)
+
+pytestmark = pytest.mark.postgres
+
+LEASE_TTL_S = 30.0
+PAST_THE_TTL_MS = 60_000
+SEEDED = 3
+WAIT_S = 15.0
+
+FAULT_TABLE = "ql3_test_fault_flag"
+INSTALL_FAULT = f"""
+CREATE TABLE IF NOT EXISTS {FAULT_TABLE} (sqlstate text PRIMARY KEY);
+CREATE OR REPLACE FUNCTION ql3_test_fault() RETURNS trigger LANGUAGE plpgsql AS $$
+DECLARE
+    code text;
+BEGIN
+    SELECT sqlstate INTO code FROM {FAULT_TABLE} LIMIT 1;
+    IF code IS NOT NULL THEN
+        RAISE EXCEPTION 'injected fault %', code USING ERRCODE = code;
+    END IF;
+    RETURN NEW;
+END
+$$;
+DROP TRIGGER IF EXISTS ql3_test_fault ON run_dispatch_leases;
+CREATE TRIGGER ql3_test_fault BEFORE UPDATE ON run_dispatch_leases
+    FOR EACH ROW EXECUTE FUNCTION ql3_test_fault();
+"""
+REMOVE_FAULT = f"""
+DROP TRIGGER IF EXISTS ql3_test_fault ON run_dispatch_leases;
+DROP FUNCTION IF EXISTS ql3_test_fault();
+DROP TABLE IF EXISTS {FAULT_TABLE};
+"""
+
+
+# --- fixtures and helpers ----------------------------------------------------------------------
+
+
+def cluster_for(url: str) -> ClusterContainer:
+    return build(
+        database_url=url,
+        lease_ttl_s=LEASE_TTL_S,
+        recovery_page_size=16,
+        lost_retry_page_size=16,
+        dispatch_page_size=16,
+        session_silence_s=300.0,
+    )
+
+
+@pytest.fixture(scope="module")
+def module_cluster(pg_database_url: str) -> Iterator[ClusterContainer]:
+    container = cluster_for(pg_database_url)
+    try:
+        yield container
+    finally:
+        container.store().close()
+
+
+@pytest.fixture
+def cluster(module_cluster: ClusterContainer) -> ClusterContainer:
+    """The module's container on an empty database, its store's clock offset back at zero."""
+    store = module_cluster.store()
+    assert isinstance(store, PostgresStore)
+    store.testing_reset()
+    return module_cluster
+
+
+@pytest.fixture
+def fault_trigger(pg_database_url: str) -> Iterator[Callable[[str | None], None]]:
+    """Installs the fault trigger; the callable arms it with a SQLSTATE or disarms it (None)."""
+    with connect(pg_database_url) as conn:
+        conn.execute(INSTALL_FAULT)
+
+    def arm(sqlstate: str | None) -> None:
+        with connect(pg_database_url) as conn:
+            conn.execute(f"DELETE FROM {FAULT_TABLE}")
+            if sqlstate is not None:
+                conn.execute(f"INSERT INTO {FAULT_TABLE} VALUES (%s)", (sqlstate,))
+
+    try:
+        yield arm
+    finally:
+        with connect(pg_database_url) as conn:
+            conn.execute(REMOVE_FAULT)
+
+
+def store_of(container: ClusterContainer) -> PostgresStore:
+    store = container.store()
+    assert isinstance(store, PostgresStore)
+    return store
+
+
+def seed_expired(container: ClusterContainer, count: int = SEEDED) -> SeededState:
+    """``count`` dispatched Runs (claimed, starting, running) whose sessions closed, and the
+    store's clock moved past their lease TTL (the coordinator uses this very store)."""
+    seeded = seed_with_services(
+        container, count, workers=1, shapes=("accepted", "starting", "running")
+    )
+    store_of(container).testing_advance_clock(PAST_THE_TTL_MS)
+    return seeded
+
+
+def counts(summary: CycleSummary, step: str) -> dict[str, int]:
+    outcome = summary.step(step)
+    assert outcome is not None, summary.as_dict()
+    return dict(outcome.counts)
+
+
+def assert_failed_cleanly(summary: CycleSummary, step: str, *signs: str) -> None:
+    """The cycle ended at ``step``, reported an error there, and ran nothing after it."""
+    assert summary.aborted_at == step, summary.as_dict()
+    assert not summary.ok
+    last = summary.steps[-1]
+    assert last.name == step and last.error is not None, summary.as_dict()
+    assert any(sign in last.error for sign in signs), last.error
+    assert [s.name for s in summary.steps][-1] == step
+
+
+def assert_recovers_all(summary: CycleSummary, url: str, seeded: SeededState) -> None:
+    assert summary.ok, summary.as_dict()
+    assert counts(summary, "runtime_recovery")["recovered"] == len(seeded.attempt_ids)
+    assert counts(summary, "lost_retry")["failed"] == len(seeded.attempt_ids)
+    with connect(url) as conn:
+        assert half_written(conn) == []
+        assert lost_events_per_attempt(conn) == dict.fromkeys(seeded.attempt_ids, 1)
+
+
+def assert_untouched(url: str) -> None:
+    with connect(url) as conn:
+        assert half_written(conn) == []
+        assert lost_events_per_attempt(conn) == {}
+        rows = conn.execute("SELECT status, version FROM run_dispatch_leases").fetchall()
+        assert {(str(s), int(str(v))) for s, v in rows} == {("leased", 1)}
+
+
+def first_candidate(container: ClusterContainer) -> tuple[str, str]:
+    page = store_of(container).recovery_candidates(16)
+    assert page.items, "no recovery candidate"
+    head = page.items[0]
+    return head.run_id, head.attempt_id
+
+
+@dataclass
+class CycleThread:
+    """A cycle running in a thread, so that the test can interfere while it is under way."""
+
+    container: ClusterContainer
+    summary: CycleSummary | None = None
+    escaped: BaseException | None = None
+
+    def __post_init__(self) -> None:
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        try:
+            self.summary = self.container.coordinator().run_cycle()
+        except BaseException as error:  # the test asserts that this never happens
+            self.escaped = error
+
+    def start(self) -> CycleThread:
+        self.thread.start()
+        return self
+
+    def join(self) -> CycleSummary:
+        self.thread.join(WAIT_S)
+        assert not self.thread.is_alive(), "the cycle did not end"
+        assert self.escaped is None, f"run_cycle raised {self.escaped!r}"
+        assert self.summary is not None
+        return self.summary
+
+
+def waiting_backend(observer: psycopg.Connection[tuple[object, ...]], dbname: str) -> int:
+    """The pid of the store's backend blocked on a row lock of ``run_dispatch_leases``."""
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        row = observer.execute(
+            "SELECT pid FROM pg_stat_activity WHERE datname = %s AND pid <> pg_backend_pid()"
+            " AND wait_event_type = 'Lock' AND query LIKE '%%run_dispatch_leases%%'",
+            (dbname,),
+        ).fetchone()
+        if row is not None:
+            return int(str(row[0]))
+        time.sleep(0.01)
+    raise AssertionError("the recovery transaction never blocked on the lease row")
+
+
+def dbname_of(url: str) -> str:
+    name = make_url(url).database
+    assert name is not None
+    return name
+
+
+# --- (a) serialization failure -----------------------------------------------------------------
+
+
+def test_serialization_failure_ends_the_cycle_and_the_next_one_recovers(
+    cluster: ClusterContainer,
+    pg_database_url: str,
+    fault_trigger: Callable[[str | None], None],
+) -> None:
+    seeded = seed_expired(cluster)
+    fault_trigger("40001")
+
+    failed = cluster.coordinator().run_cycle()
+
+    assert_failed_cleanly(failed, "runtime_recovery", "SerializationFailure", "40001")
+    # The Run and Attempt updates before the refused lease update were rolled back with it.
+    assert_untouched(pg_database_url)
+
+    fault_trigger(None)
+    assert_recovers_all(cluster.coordinator().run_cycle(), pg_database_url, seeded)
+
+
+# --- (b) deadlock victim -----------------------------------------------------------------------
+
+
+def test_deadlock_victim_ends_the_cycle_and_the_next_one_recovers(
+    cluster: ClusterContainer, pg_database_url: str, pg_server: PostgresServer
+) -> None:
+    seeded = seed_expired(cluster)
+    run_id, attempt_id = first_candidate(cluster)
+    dbname = dbname_of(pg_database_url)
+    with pg_server.connect_admin() as admin:
+        deadlocks_before = deadlocks(admin, dbname)
+
+    with connect(pg_database_url) as rival, connect(pg_database_url) as observer:
+        # The rival waits far longer than the default deadlock_timeout (1 s) of the store's
+        # backend, so the store's backend runs the deadlock check first and is the victim.
+        rival.execute("SET deadlock_timeout = '20s'")
+        with rival.transaction():
+            rival.execute(
+                "SELECT 1 FROM run_dispatch_leases WHERE run_id = %s FOR UPDATE", (run_id,)
+            )
+            cycle = CycleThread(cluster).start()
+            # Recovery holds the Attempt's advisory lock and the Run and Attempt rows, and
+            # waits for the lease row; now the rival asks for the Attempt row: a cycle.
+            waiting_backend(observer, dbname)
+            rival.execute("SELECT 1 FROM run_attempts WHERE id = %s FOR UPDATE", (attempt_id,))
+        summary = cycle.join()
+
+    assert_failed_cleanly(summary, "runtime_recovery", "DeadlockDetected", "deadlock")
+    assert_untouched(pg_database_url)
+    time.sleep(0.6)  # statistics are flushed at most once a second per backend
+    with pg_server.connect_admin() as admin:
+        assert deadlocks(admin, dbname) > deadlocks_before
+
+    assert_recovers_all(cluster.coordinator().run_cycle(), pg_database_url, seeded)
+
+
+# --- (c) pg_terminate_backend ------------------------------------------------------------------
+
+
+def terminate_all_but(
+    observer: psycopg.Connection[tuple[object, ...]], dbname: str, keep: set[int]
+) -> int:
+    """Terminate every backend of ``dbname`` except ``keep`` and wait until they are gone."""
+    keep_list = sorted(keep)
+    rows = observer.execute(
+        "SELECT pid FROM pg_stat_activity WHERE datname = %s AND pid <> ALL(%s)"
+        " AND pid <> pg_backend_pid() AND backend_type = 'client backend'",
+        (dbname, keep_list),
+    ).fetchall()
+    pids = [int(str(row[0])) for row in rows]
+    for pid in pids:
+        observer.execute("SELECT pg_terminate_backend(%s, 5000)", (pid,))
+    return len(pids)
+
+
+def test_terminated_connections_between_cycles_are_replaced(
+    cluster: ClusterContainer, pg_database_url: str
+) -> None:
+    seeded = seed_with_services(
+        cluster, SEEDED, workers=1, shapes=("accepted", "starting", "running")
+    )
+    # A cycle while every lease is live: nothing to recover, but the pool now holds
+    # connections that were used.
+    idle = cluster.coordinator().run_cycle()
+    assert idle.ok, idle.as_dict()
+    assert counts(idle, "runtime_recovery")["examined"] == 0
+    dbname = dbname_of(pg_database_url)
+    with connect(pg_database_url) as observer:
+        assert terminate_all_but(observer, dbname, set()) >= 1
+
+    store_of(cluster).testing_advance_clock(PAST_THE_TTL_MS)
+    # pool_pre_ping notices the dead connections at checkout and replaces them.
+    assert_recovers_all(cluster.coordinator().run_cycle(), pg_database_url, seeded)
+
+
+def test_terminated_connection_during_a_cycle_ends_it_and_the_next_one_recovers(
+    cluster: ClusterContainer, pg_database_url: str
+) -> None:
+    seeded = seed_expired(cluster)
+    run_id, _ = first_candidate(cluster)
+    dbname = dbname_of(pg_database_url)
+
+    with (
+        connect(pg_database_url) as blocker,
+        connect(pg_database_url) as observer,
+        blocker.transaction(),
+    ):
+        blocker.execute("SELECT 1 FROM run_dispatch_leases WHERE run_id = %s FOR UPDATE", (run_id,))
+        cycle = CycleThread(cluster).start()
+        victim = waiting_backend(observer, dbname)
+        observer.execute("SELECT pg_terminate_backend(%s, 5000)", (victim,))
+        summary = cycle.join()
+
+    assert_failed_cleanly(
+        summary, "runtime_recovery", "AdminShutdown", "terminat", "OperationalError"
+    )
+    assert_untouched(pg_database_url)
+
+    assert_recovers_all(cluster.coordinator().run_cycle(), pg_database_url, seeded)
+
+
+# --- (d) server restart ------------------------------------------------------------------------
+
+
+@dataclass
+class RestartableServer:
+    private: PrivateServer
+    url: str
+
+    def restart(self) -> None:
+        """``pg_ctl restart -m fast``: every connection is cut, the data directory stays."""
+        server = self.private
+        _run(
+            [
+                str(server.bin_dir / "pg_ctl"),
+                "-D",
+                str(server.data_dir),
+                "-l",
+                str(server.log_file),
+                "-m",
+                "fast",
+                "-w",
+                "-t",
+                str(SERVER_START_TIMEOUT_S),
+                "restart",
+            ],
+            run_as=server.run_as,
+            cwd=server.base_dir,
+        )
+
+
+@pytest.fixture(scope="module")
+def restartable_server() -> Iterator[RestartableServer]:
+    try:
+        private = start_private_server()
+    except ServerUnavailable as error:
+        pytest.skip(f"no private PostgreSQL server: {error}")
+    try:
+        url = URL.create(
+            DRIVER, username=LOCAL_USER, host=LOCAL_HOST, port=private.port, database="ql3_restart"
+        ).render_as_string(hide_password=False)
+        with connect(private.admin_url) as admin:
+            admin.execute("CREATE DATABASE ql3_restart")
+        upgrade(url)
+        yield RestartableServer(private=private, url=url)
+    finally:
+        private.stop()
+
+
+def test_server_restart_between_cycles(restartable_server: RestartableServer) -> None:
+    url = restartable_server.url
+    container = cluster_for(url)
+    try:
+        seeded = seed_with_services(
+            container, SEEDED, workers=1, shapes=("accepted", "starting", "running")
+        )
+        before = container.coordinator().run_cycle()
+        assert before.ok, before.as_dict()
+        assert counts(before, "runtime_recovery")["examined"] == 0
+
+        restartable_server.restart()
+        store_of(container).testing_advance_clock(PAST_THE_TTL_MS)
+
+        summaries = [container.coordinator().run_cycle()]
+        # The first cycle after the restart either works or fails cleanly, untouched.
+        if not summaries[0].ok:
+            assert_failed_cleanly(
+                summaries[0], "runtime_recovery", "OperationalError", "terminat", "connection"
+            )
+            assert_untouched(url)
+            summaries.append(container.coordinator().run_cycle())
+        assert_recovers_all(summaries[-1], url, seeded)
+    finally:
+        store_of(container).close()
