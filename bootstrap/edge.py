@@ -7,12 +7,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from dependency_injector import containers, providers
+from dependency_injector import providers
 
-from adapters.memory import MemoryStore
 from application.ports import RuntimeStore
-from application.startup import StartupRecovery
-from bootstrap.core import DEFAULTS, RuntimeCoreContainer
+from bootstrap.core import DEFAULTS
+from bootstrap.standalone import StandaloneContainer
 
 EDGE_DEFAULTS: dict[str, object] = {
     **DEFAULTS,
@@ -21,17 +20,8 @@ EDGE_DEFAULTS: dict[str, object] = {
 }
 
 
-class EdgeContainer(containers.DeclarativeContainer):
-    config = providers.Configuration()
-    store = providers.Singleton(MemoryStore)
-    core = providers.Container(RuntimeCoreContainer, config=config, store=store)
-    startup_recovery = providers.Singleton(
-        StartupRecovery,
-        uow_factory=store.provided.unit_of_work,
-        source=store,
-        identities=core.identities,
-        page_size=config.startup_page_size,
-    )
+class EdgeContainer(StandaloneContainer):
+    """Standalone's providers; only the page budgets differ (see ``EDGE_DEFAULTS``)."""
 
 
 def build(store: RuntimeStore | None = None, **settings: Any) -> EdgeContainer:
