@@ -8,7 +8,7 @@ matches no row raises :class:`domain.errors.ConcurrencyConflict`, never succeeds
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Generic, Protocol, TypeVar
@@ -24,6 +24,8 @@ from domain.model import (
     WorkerSession,
 )
 from domain.transitions import Change
+from domain.triggers import FireSchedule, Trigger, TriggerFiring
+from domain.workflows import WorkflowStep
 
 HARD_PAGE_CAP = 64
 DEFAULT_PAGE_SIZE = 16
@@ -74,6 +76,14 @@ class QueuedAttempt:
 
 
 @dataclass(frozen=True, slots=True)
+class DueTrigger:
+    """An active trigger whose next scheduled firing the store's clock reached."""
+
+    trigger_id: str
+    next_fire_at_ms: int
+
+
+@dataclass(frozen=True, slots=True)
 class SessionCapacity:
     session: WorkerSession
     in_flight: int
@@ -111,12 +121,23 @@ class RunRepository(Protocol):
         With ``skip_locked`` it returns None at once when another transaction holds the
         Attempt's advisory lock (another replica is resolving that candidate)."""
 
+    def lock_attempts(self, attempt_ids: Sequence[str]) -> Sequence[Snapshot | None]:
+        """:meth:`lock_attempt` (waiting for each lock) for every id, one after the other in
+        the order given; one answer per id. Callers sort the ids, so that concurrent batches
+        take their locks in one order and cannot deadlock."""
+
     def lock_run(self, run_id: str) -> Snapshot | None:
         """Lock a Run the same way, through its current Attempt when it has one."""
 
     def apply(self, before: Snapshot, change: Change) -> None:
         """Persist ``change`` as compare-and-set writes against ``before`` and append its one
         event. Raises ``ConcurrencyConflict`` when any write matches no row."""
+
+    def apply_many(self, writes: Sequence[tuple[Snapshot, Change]]) -> None:
+        """:meth:`apply` for every ``(before, change)`` in order, all of them or none. A change
+        may start from the result of an earlier one of the same Run. Raises
+        ``ConcurrencyConflict`` when any write matches no row; the unit of work must then be
+        rolled back."""
 
     def renew_lease(self, before: DispatchLease, after: DispatchLease) -> None:
         """Move only ``expires_at``; compare-and-set on generation, version, status, token hash
@@ -157,6 +178,52 @@ class EvidenceRepository(Protocol):
     def reports_for(self, attempt_id: str) -> Sequence[StopReport]: ...
 
 
+class TriggerRepository(Protocol):
+    """Triggers and their firings inside one transaction."""
+
+    def add(self, trigger: Trigger) -> None:
+        """Insert a new trigger; a name held by a trigger that is not deleted is a
+        ``ConcurrencyConflict``."""
+
+    def get(self, trigger_id: str) -> Trigger | None: ...
+
+    def find(self, name: str, *, lock: bool = False) -> Trigger | None:
+        """The trigger of that name that is not deleted, locked for update with ``lock``."""
+
+    def lock(self, trigger_id: str, *, skip_locked: bool = False) -> Trigger | None:
+        """The trigger row locked for update; with ``skip_locked`` None at once when another
+        transaction holds it (another replica is firing it)."""
+
+    def update(self, before: Trigger, after: Trigger) -> None:
+        """Compare-and-set on the version read."""
+
+    def list_triggers(self, *, include_deleted: bool = False) -> Sequence[Trigger]:
+        """By name, then id."""
+
+    def record_firing(self, firing: TriggerFiring) -> None:
+        """Insert a firing. Its key (trigger id, scheduled time) is unique: a second firing of
+        the same scheduled time is a ``ConcurrencyConflict``."""
+
+    def firings_of(self, trigger_id: str, limit: int) -> Sequence[TriggerFiring]:
+        """The most recent firings first."""
+
+
+class WorkflowRepository(Protocol):
+    """The steps of workflow aggregate Runs inside one transaction."""
+
+    def add_steps(self, steps: Sequence[WorkflowStep]) -> None:
+        """Insert the steps of a newly admitted workflow (its aggregate Run is added first)."""
+
+    def steps_of(self, workflow_run_id: str, *, lock: bool = False) -> Sequence[WorkflowStep]:
+        """The workflow's steps by position, locked for update with ``lock``."""
+
+    def update_step(self, before: WorkflowStep, after: WorkflowStep) -> None:
+        """Compare-and-set on the step's status and run id."""
+
+    def step_of_run(self, run_id: str) -> WorkflowStep | None:
+        """The step whose Run this is, if it is a workflow step's Run."""
+
+
 class UnitOfWork(Protocol):
     """One transaction. Rolls back unless :meth:`commit` was called."""
 
@@ -181,6 +248,28 @@ class UnitOfWork(Protocol):
 
 class UnitOfWorkFactory(Protocol):
     def __call__(self) -> UnitOfWork: ...
+
+
+class SessionCapacityLocks(Protocol):
+    def lock(self, session_id: str) -> SessionCapacity | None:
+        """The session, locked for update, with the number of ``leased`` leases it holds: two
+        replicas offering work to one session count its capacity one after the other."""
+
+
+class SchedulerUnitOfWork(UnitOfWork, Protocol):
+    """A transaction of a runtime store, with what the scheduler steps and the operators'
+    commands need besides Runs, sessions and evidence: triggers, workflow steps, and session
+    capacity under lock."""
+
+    triggers: TriggerRepository
+    workflows: WorkflowRepository
+    capacity: SessionCapacityLocks
+
+    def __enter__(self) -> SchedulerUnitOfWork: ...
+
+
+class SchedulerUnitOfWorkFactory(Protocol):
+    def __call__(self) -> SchedulerUnitOfWork: ...
 
 
 class RecoveryCandidateSource(Protocol):
@@ -214,6 +303,31 @@ class DispatchSource(Protocol):
         store's clock, with their in-flight count (``leased`` leases they hold), by id."""
 
 
+class TaskAdmissionSource(DispatchSource, Protocol):
+    def in_flight_by_task(self, tasks: Sequence[str]) -> Mapping[str, int]:
+        """For each named task that has any, how many of its Attempts hold a ``leased`` lease
+        (offered or executing): what task attempt admission balances across tasks."""
+
+
+class TriggerSource(Protocol):
+    def due_triggers(self, limit: int) -> Page[DueTrigger]:
+        """Active triggers whose next firing the store's clock reached, earliest first."""
+
+
+class WorkflowFrontierSource(Protocol):
+    def workflow_candidates(self, limit: int) -> Page[RunCandidate]:
+        """Workflow aggregate Runs the frontier has work for: not started yet, an admitted
+        step whose Run finished, or finished with steps still pending or admitted but not
+        started. Oldest first (by the aggregate's ``updated_at``)."""
+
+
+class CronCalendar(Protocol):
+    """Fire times of cron expressions (five fields, UTC)."""
+
+    def schedule(self, expression: str) -> FireSchedule:
+        """Raises ``InvalidTrigger`` for an expression that is malformed or never fires."""
+
+
 class Identities(Protocol):
     """Where new identifiers and secrets come from."""
 
@@ -235,3 +349,13 @@ class RuntimeStore(
     def unit_of_work(self) -> UnitOfWork: ...
 
     def close(self) -> None: ...
+
+
+class SchedulerStore(
+    RuntimeStore, TaskAdmissionSource, TriggerSource, WorkflowFrontierSource, Protocol
+):
+    """A runtime store with everything the whole cadence needs, trigger schedule and workflow
+    frontier included. Every store a profile runs on (memory, PostgreSQL, SQLite) implements it;
+    the worker ingress's least-privilege store implements only :class:`RuntimeStore`."""
+
+    def unit_of_work(self) -> SchedulerUnitOfWork: ...

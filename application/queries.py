@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from application.ports import UnitOfWorkFactory
-from domain.model import Attempt, DispatchLease, JsonValue, Run, RunStatus
+from application.ports import SchedulerUnitOfWorkFactory
+from domain.model import Attempt, DispatchLease, JsonValue, Run, RunOwner, RunStatus
 from domain.recovery import find_not_running_evidence, is_recovery_candidate
+from domain.workflows import WorkflowStep
 
 
 @dataclass(frozen=True, slots=True)
@@ -17,11 +18,20 @@ class AttemptView:
 
 
 @dataclass(frozen=True, slots=True)
+class StepView:
+    """A workflow step and the Run it became, if it was admitted."""
+
+    step: WorkflowStep
+    run: Run | None
+
+
+@dataclass(frozen=True, slots=True)
 class RunView:
     run: Run
     attempts: tuple[AttemptView, ...]
     events: tuple[tuple[int, str, int, str | None, dict[str, JsonValue]], ...]
     observed_at_ms: int
+    steps: tuple[StepView, ...] = ()
 
     def as_dict(self) -> dict[str, JsonValue]:
         run = self.run
@@ -34,6 +44,7 @@ class RunView:
             "input": run.input,
             "output": run.output,
             "error": run.error,
+            "parent_run_id": run.parent_run_id,
             "attempt_count": run.attempt_count,
             "next_attempt_at_ms": run.next_attempt_at_ms,
             "created_at_ms": run.created_at_ms,
@@ -54,7 +65,21 @@ class RunView:
                 {"sequence": seq, "type": kind, "at": at, "attempt_id": attempt_id, "data": data}
                 for seq, kind, at, attempt_id, data in self.events
             ],
+            "steps": [_step_dict(view) for view in self.steps],
         }
+
+
+def _step_dict(view: StepView) -> dict[str, JsonValue]:
+    step, run = view.step, view.run
+    return {
+        "id": step.step_id,
+        "task": step.task,
+        "after": list(step.after),
+        "status": step.status.value,
+        "run_id": step.run_id,
+        "run_status": run.status.value if run is not None else None,
+        "attempts": run.attempt_count if run is not None else 0,
+    }
 
 
 def _attempt_dict(view: AttemptView) -> dict[str, JsonValue]:
@@ -82,7 +107,7 @@ def _attempt_dict(view: AttemptView) -> dict[str, JsonValue]:
 
 
 class RunQueries:
-    def __init__(self, uow_factory: UnitOfWorkFactory) -> None:
+    def __init__(self, uow_factory: SchedulerUnitOfWorkFactory) -> None:
         self._uow_factory = uow_factory
 
     def show(self, run_id: str) -> RunView | None:
@@ -124,7 +149,15 @@ class RunQueries:
                 )
                 for stored in uow.runs.events_of(run_id)
             )
-            return RunView(run=run, attempts=tuple(views), events=events, observed_at_ms=now_ms)
+            steps: tuple[StepView, ...] = ()
+            if run.owner is RunOwner.WORKFLOW:
+                steps = tuple(
+                    StepView(step=step, run=uow.runs.get_run(step.run_id) if step.run_id else None)
+                    for step in uow.workflows.steps_of(run_id)
+                )
+            return RunView(
+                run=run, attempts=tuple(views), events=events, observed_at_ms=now_ms, steps=steps
+            )
 
     def list(self, status: RunStatus | None = None, limit: int = 100) -> list[Run]:
         with self._uow_factory() as uow:

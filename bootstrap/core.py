@@ -1,4 +1,5 @@
-"""Providers every profile shares: admission, the worker protocol and the inner scheduler.
+"""Providers every profile shares: admission, triggers, workflows, the worker protocol and the
+inner scheduler (trigger schedule -> workflow frontier -> task attempt admission).
 
 A profile container extends :class:`RuntimeCoreContainer` and provides ``store``."""
 
@@ -6,18 +7,23 @@ from __future__ import annotations
 
 from dependency_injector import containers, providers
 
+from adapters.cron import CroniterCalendar
 from application.admission import Admission
 from application.dispatch import TaskAttemptAdmission
 from application.identities import RandomIdentities
-from application.ports import RuntimeStore
-from application.scheduler import NoTriggerSchedule, NoWorkflowFrontier, SchedulerCoordinator
+from application.ports import SchedulerStore
+from application.scheduler import SchedulerCoordinator
+from application.triggers import Triggers, TriggerSchedule
 from application.worker_commands import WorkerCommands
+from application.workflows import WorkflowFrontier, Workflows
 
 DEFAULTS: dict[str, object] = {
     "lease_ttl_s": 30.0,
     "cadence_s": 1.0,
     "session_silence_s": 30.0,
     "dispatch_page_size": 16,
+    "trigger_page_size": 16,
+    "workflow_page_size": 16,
 }
 
 
@@ -27,7 +33,7 @@ def seconds_to_ms(seconds: float) -> int:
 
 class RuntimeCoreContainer(containers.DeclarativeContainer):
     config = providers.Configuration()
-    store: providers.Dependency[RuntimeStore] = providers.Dependency()
+    store: providers.Dependency[SchedulerStore] = providers.Dependency()
 
     identities = providers.Singleton(RandomIdentities)
     lease_ttl_ms = providers.Callable(seconds_to_ms, config.lease_ttl_s)
@@ -43,8 +49,32 @@ class RuntimeCoreContainer(containers.DeclarativeContainer):
         lease_ttl_ms=lease_ttl_ms,
     )
 
-    trigger_schedule = providers.Singleton(NoTriggerSchedule)
-    workflow_frontier = providers.Singleton(NoWorkflowFrontier)
+    cron_calendar = providers.Singleton(CroniterCalendar)
+    triggers = providers.Singleton(
+        Triggers,
+        uow_factory=store.provided.unit_of_work,
+        identities=identities,
+        calendar=cron_calendar,
+    )
+    workflows = providers.Singleton(
+        Workflows, uow_factory=store.provided.unit_of_work, identities=identities
+    )
+
+    trigger_schedule = providers.Singleton(
+        TriggerSchedule,
+        uow_factory=store.provided.unit_of_work,
+        source=store,
+        calendar=cron_calendar,
+        identities=identities,
+        page_size=config.trigger_page_size,
+    )
+    workflow_frontier = providers.Singleton(
+        WorkflowFrontier,
+        uow_factory=store.provided.unit_of_work,
+        source=store,
+        identities=identities,
+        page_size=config.workflow_page_size,
+    )
     task_attempt_admission = providers.Singleton(
         TaskAttemptAdmission,
         uow_factory=store.provided.unit_of_work,

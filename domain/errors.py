@@ -17,6 +17,15 @@ class InvalidAdmission(DomainError):
     """An admission request is malformed (empty task name, bad identifiers)."""
 
 
+class InvalidTrigger(InvalidAdmission):
+    """A trigger definition is not acceptable (name, schedule, catch-up, template)."""
+
+
+class InvalidWorkflow(InvalidAdmission):
+    """A workflow definition is not a valid DAG of task steps (duplicate or unknown step ids,
+    a cycle, a malformed step)."""
+
+
 class InvalidTransition(DomainError):
     """The entity is not in a state that allows the requested transition."""
 

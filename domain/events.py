@@ -24,6 +24,8 @@ class EventType(enum.Enum):
     RUN_FAILED = "run_failed"
     RUN_CANCELLED = "run_cancelled"
     EVIDENCE_RECORDED = "evidence_recorded"
+    WORKFLOW_STARTED = "workflow_started"
+    WORKFLOW_SUCCEEDED = "workflow_succeeded"
 
 
 def _freeze(value: Mapping[str, JsonValue]) -> Mapping[str, JsonValue]:

@@ -72,3 +72,82 @@ class RetryPolicy:
     max_attempts: int = field(default=1, validator=_check_max_attempts)
     safety: Safety | None = None
     backoff: Backoff = field(factory=Backoff)
+
+
+# --- the policy as a JSON document (templates of triggers and workflow steps) --------------------
+
+_POLICY_KEYS = frozenset({"retry_on_lost", "max_attempts", "safety", "backoff"})
+_BACKOFF_KEYS = frozenset({"initial_ms", "multiplier", "cap_ms", "jitter"})
+
+
+def policy_to_document(policy: RetryPolicy) -> dict[str, object]:
+    """The policy as plain JSON values; :func:`policy_from_document` reads it back."""
+    return {
+        "retry_on_lost": policy.retry_on_lost,
+        "max_attempts": policy.max_attempts,
+        "safety": policy.safety.value if policy.safety is not None else None,
+        "backoff": {
+            "initial_ms": policy.backoff.initial_ms,
+            "multiplier": policy.backoff.multiplier,
+            "cap_ms": policy.backoff.cap_ms,
+            "jitter": policy.backoff.jitter,
+        },
+    }
+
+
+def _integer(value: object, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InvalidRetryPolicy(f"{name} must be an integer")
+    if isinstance(value, float) and not value.is_integer():
+        raise InvalidRetryPolicy(f"{name} must be an integer")
+    return int(value)
+
+
+def _real(value: object, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InvalidRetryPolicy(f"{name} must be a number")
+    return float(value)
+
+
+def policy_from_document(document: object) -> RetryPolicy | None:
+    """A retry policy from a JSON object such as ``{"retry_on_lost": true, "max_attempts": 3,
+    "safety": "idempotent", "backoff": {"initial_ms": 1000}}``; ``None`` stays no policy.
+    Unknown keys and wrong types are refused, never ignored."""
+    if document is None:
+        return None
+    if not isinstance(document, dict):
+        raise InvalidRetryPolicy("a policy must be a JSON object")
+    unknown = sorted(set(document) - _POLICY_KEYS)
+    if unknown:
+        raise InvalidRetryPolicy(f"unknown policy keys: {', '.join(map(str, unknown))}")
+    retry_on_lost = document.get("retry_on_lost", False)
+    if not isinstance(retry_on_lost, bool):
+        raise InvalidRetryPolicy("retry_on_lost must be true or false")
+    max_attempts = _integer(document.get("max_attempts", 1), "max_attempts")
+    safety_value = document.get("safety")
+    safety: Safety | None = None
+    if safety_value is not None:
+        try:
+            safety = Safety(safety_value)
+        except ValueError:
+            choices = ", ".join(s.value for s in Safety)
+            raise InvalidRetryPolicy(f"safety must be one of {choices}") from None
+    backoff_document = document.get("backoff") or {}
+    if not isinstance(backoff_document, dict):
+        raise InvalidRetryPolicy("backoff must be a JSON object")
+    unknown = sorted(set(backoff_document) - _BACKOFF_KEYS)
+    if unknown:
+        raise InvalidRetryPolicy(f"unknown backoff keys: {', '.join(map(str, unknown))}")
+    default = Backoff()
+    initial_ms = _integer(backoff_document.get("initial_ms", default.initial_ms), "initial_ms")
+    backoff = Backoff(
+        initial_ms=initial_ms,
+        multiplier=_real(backoff_document.get("multiplier", default.multiplier), "multiplier"),
+        cap_ms=_integer(
+            backoff_document.get("cap_ms", max(default.cap_ms, initial_ms)), "cap_ms"
+        ),
+        jitter=_real(backoff_document.get("jitter", default.jitter), "jitter"),
+    )
+    return RetryPolicy(
+        retry_on_lost=retry_on_lost, max_attempts=max_attempts, safety=safety, backoff=backoff
+    )

@@ -22,9 +22,11 @@ from typing import TYPE_CHECKING
 
 from attrs import evolve
 
+from adapters.memory import scheduling
 from adapters.memory.clock import FakeClock
 from application.ports import (
     HARD_PAGE_CAP,
+    DueTrigger,
     EvidenceRepository,
     Page,
     QueuedAttempt,
@@ -32,9 +34,12 @@ from application.ports import (
     RunCandidate,
     RunRepository,
     SessionCapacity,
+    SessionCapacityLocks,
     Snapshot,
     StoredEvent,
+    TriggerRepository,
     WorkerSessionRegistry,
+    WorkflowRepository,
 )
 from domain.errors import ConcurrencyConflict
 from domain.model import (
@@ -51,9 +56,11 @@ from domain.model import (
 )
 from domain.recovery import find_not_running_evidence, is_recovery_candidate, is_resolvable
 from domain.transitions import Change
+from domain.triggers import Trigger, TriggerFiring
+from domain.workflows import WorkflowStep
 
 if TYPE_CHECKING:
-    from application.ports import RuntimeStore, UnitOfWork
+    from application.ports import SchedulerStore, SchedulerUnitOfWork
 
 # Attempt statuses of which a Run may have at most one (partial unique index in PostgreSQL).
 NON_TERMINAL_ATTEMPT_STATUSES = frozenset(
@@ -91,6 +98,11 @@ class _State:
     sessions: dict[str, WorkerSession] = field(default_factory=dict)
     # attempt id -> its stop reports in the order they were recorded
     reports: dict[str, tuple[StopReport, ...]] = field(default_factory=dict)
+    triggers: dict[str, Trigger] = field(default_factory=dict)
+    # (trigger id, scheduled time) -> the firing: the unique firing key
+    firings: dict[tuple[str, int], TriggerFiring] = field(default_factory=dict)
+    # workflow run id -> its steps ordered by position
+    workflow_steps: dict[str, tuple[WorkflowStep, ...]] = field(default_factory=dict)
 
     def copy(self) -> _State:
         return replace(
@@ -103,6 +115,9 @@ class _State:
             events=dict(self.events),
             sessions=dict(self.sessions),
             reports=dict(self.reports),
+            triggers=dict(self.triggers),
+            firings=dict(self.firings),
+            workflow_steps=dict(self.workflow_steps),
         )
 
     # reads shared by the repositories and the sources
@@ -240,6 +255,9 @@ class MemoryUnitOfWork:
         self.runs: RunRepository = MemoryRunRepository(self)
         self.sessions: WorkerSessionRegistry = MemorySessionRegistry(self)
         self.evidence: EvidenceRepository = MemoryEvidenceRepository(self)
+        self.triggers: TriggerRepository = scheduling.MemoryTriggerRepository(self)
+        self.workflows: WorkflowRepository = scheduling.MemoryWorkflowRepository(self)
+        self.capacity: SessionCapacityLocks = scheduling.MemoryCapacityLocks(self)
 
     def __enter__(self) -> MemoryUnitOfWork:
         if self._entered:
@@ -320,6 +338,15 @@ class MemoryRunRepository:
         if run is None:
             return None
         return state.snapshot(run, attempt)
+
+    def lock_attempts(self, attempt_ids: Sequence[str]) -> list[Snapshot | None]:
+        return [self.lock_attempt(attempt_id) for attempt_id in attempt_ids]
+
+    def apply_many(self, writes: Sequence[tuple[Snapshot, Change]]) -> None:
+        # One after the other: a refusal leaves the earlier ones written, and the caller then
+        # rolls the unit of work back (the port's promise is all or nothing per transaction).
+        for before, change in writes:
+            self.apply(before, change)
 
     def lock_run(self, run_id: str) -> Snapshot | None:
         state = self._uow.read()
@@ -691,6 +718,25 @@ class MemoryStore:
             available.sort(key=lambda c: c.session.id)
             return tuple(available)
 
+    # TaskAdmissionSource, TriggerSource and WorkflowFrontierSource
+
+    def in_flight_by_task(self, tasks: Sequence[str]) -> dict[str, int]:
+        with self._lock:
+            state, _ = self._committed()
+            return scheduling.in_flight_by_task(state, tasks)
+
+    def due_triggers(self, limit: int) -> Page[DueTrigger]:
+        check_page_limit(limit)
+        with self._lock:
+            state, now = self._committed()
+            return scheduling.due_triggers(state, now, limit)
+
+    def workflow_candidates(self, limit: int) -> Page[RunCandidate]:
+        check_page_limit(limit)
+        with self._lock:
+            state, now = self._committed()
+            return scheduling.workflow_candidates(state, now, limit)
+
     @staticmethod
     def _run_page(
         state: _State,
@@ -714,6 +760,8 @@ class MemoryStore:
 
 if TYPE_CHECKING:
 
-    def _conforms(store: MemoryStore, uow: MemoryUnitOfWork) -> tuple[RuntimeStore, UnitOfWork]:
+    def _conforms(
+        store: MemoryStore, uow: MemoryUnitOfWork
+    ) -> tuple[SchedulerStore, SchedulerUnitOfWork]:
         """Lets mypy check that the memory store implements the ports structurally."""
         return store, uow

@@ -1,4 +1,5 @@
-"""The relational schema shared by the SQL stores (PostgreSQL for Cluster, SQLite later).
+"""The relational schema shared by the SQL stores (PostgreSQL for Cluster, SQLite for Standalone
+and Edge).
 
 Every status column is checked against the values of its domain enum, every invariant that one
 row can express is a CHECK constraint, and every "at most one ... per ..." rule is a partial unique
@@ -52,6 +53,8 @@ from domain.model import (
     SessionStatus,
 )
 from domain.policy import MAX_ATTEMPTS_LIMIT, Safety
+from domain.triggers import MAX_CATCH_UP_LIMIT, MIN_INTERVAL_MS, CatchUp, TriggerStatus
+from domain.workflows import StepStatus
 
 NAMING_CONVENTION = {
     "ix": "ix_%(table_name)s_%(column_0_N_name)s",
@@ -114,6 +117,12 @@ class EpochMillis(TypeDecorator[int]):
 def identifier() -> TypeEngine[str]:
     """Identifiers compare and sort byte-wise ("C" collation) on PostgreSQL, as in Python."""
     return Text().with_variant(Text(collation="C"), "postgresql")
+
+
+def sequence_key() -> TypeEngine[int]:
+    """An identity key. On SQLite it must be declared ``INTEGER`` to alias the rowid, which is
+    what numbers new rows there."""
+    return BigInteger().with_variant(Integer(), "sqlite")
 
 
 def json_document() -> TypeEngine[Any]:
@@ -318,7 +327,7 @@ Index(
 run_events = Table(
     "run_events",
     metadata,
-    Column("id", BigInteger(), Identity(always=False), nullable=False),
+    Column("id", sequence_key(), Identity(always=False), nullable=False),
     Column("run_id", identifier(), ForeignKey("runs.id"), nullable=False),
     Column("attempt_id", identifier(), nullable=True),
     Column("type", Text(), nullable=False),
@@ -366,7 +375,7 @@ Index(
 attempt_stop_reports = Table(
     "attempt_stop_reports",
     metadata,
-    Column("id", BigInteger(), Identity(always=False), nullable=False),
+    Column("id", sequence_key(), Identity(always=False), nullable=False),
     Column("attempt_id", identifier(), nullable=False),
     Column("kind", Text(), nullable=False),
     Column("reported_at", EpochMillis(), nullable=False),
@@ -381,6 +390,111 @@ Index(
     attempt_stop_reports.c.reported_at,
 )
 
+# --- triggers and workflows ----------------------------------------------------------------------
+#
+# Run templates (the policy of a trigger or a workflow step) are JSON documents
+# (``domain.policy.policy_to_document``): they are copied onto each admitted Run's own columns.
+
+triggers = Table(
+    "triggers",
+    metadata,
+    Column("id", identifier(), nullable=False),
+    Column("name", Text(), nullable=False),
+    Column("task", Text(), nullable=False),
+    Column("input", json_document(), nullable=True),
+    Column("policy", json_document(), nullable=True),
+    Column("every_ms", BigInteger(), nullable=True),
+    Column("cron", Text(), nullable=True),
+    Column("catch_up", Text(), nullable=False),
+    Column("catch_up_limit", Integer(), nullable=False),
+    Column("status", Text(), nullable=False),
+    Column("next_fire_at", EpochMillis(), nullable=False),
+    Column("last_fired_at", EpochMillis(), nullable=True),
+    Column("version", Integer(), nullable=False),
+    Column("created_at", EpochMillis(), nullable=False),
+    Column("updated_at", EpochMillis(), nullable=False),
+    PrimaryKeyConstraint("id", name="pk_triggers"),
+    CheckConstraint(_one_of("status", _enum_values(TriggerStatus)), name="status"),
+    CheckConstraint(_one_of("catch_up", _enum_values(CatchUp)), name="catch_up"),
+    CheckConstraint(f"catch_up_limit BETWEEN 1 AND {MAX_CATCH_UP_LIMIT}", name="catch_up_limit"),
+    CheckConstraint("(every_ms IS NULL) <> (cron IS NULL)", name="every_ms_or_cron"),
+    CheckConstraint(f"every_ms IS NULL OR every_ms >= {MIN_INTERVAL_MS}", name="every_ms"),
+    CheckConstraint("version >= 1", name="version"),
+    CheckConstraint("name <> '' AND task <> ''", name="not_empty"),
+)
+
+_LIVE_TRIGGER = "status <> 'deleted'"
+
+Index(
+    "uq_triggers_live_name",
+    triggers.c.name,
+    unique=True,
+    postgresql_where=text(_LIVE_TRIGGER),
+    sqlite_where=text(_LIVE_TRIGGER),
+)
+Index(
+    "ix_triggers_due",
+    triggers.c.next_fire_at,
+    triggers.c.id,
+    postgresql_where=text("status = 'active'"),
+    sqlite_where=text("status = 'active'"),
+)
+
+# One row per admitted firing. The primary key is the firing key: a scheduled time of a trigger
+# is admitted at most once, whichever replica fires it.
+trigger_firings = Table(
+    "trigger_firings",
+    metadata,
+    Column("trigger_id", identifier(), ForeignKey("triggers.id"), nullable=False),
+    Column("scheduled_at", EpochMillis(), nullable=False),
+    Column("run_id", identifier(), ForeignKey("runs.id"), nullable=False),
+    Column("fired_at", EpochMillis(), nullable=False),
+    PrimaryKeyConstraint("trigger_id", "scheduled_at", name="pk_trigger_firings"),
+    UniqueConstraint("run_id", name="uq_trigger_firings_run_id"),
+)
+
+_STEP_WITH_RUN = _one_of(
+    "status",
+    (StepStatus.ADMITTED.value, StepStatus.SUCCEEDED.value, StepStatus.FAILED.value),
+)
+_OPEN_STEP = _one_of("status", (StepStatus.PENDING.value, StepStatus.ADMITTED.value))
+
+workflow_steps = Table(
+    "workflow_steps",
+    metadata,
+    Column("workflow_run_id", identifier(), ForeignKey("runs.id"), nullable=False),
+    Column("step_id", identifier(), nullable=False),
+    Column("position", Integer(), nullable=False),
+    Column("task", Text(), nullable=False),
+    Column("input", json_document(), nullable=True),
+    Column("after_steps", json_document(), nullable=False),
+    Column("policy", json_document(), nullable=True),
+    Column("status", Text(), nullable=False),
+    Column("run_id", identifier(), ForeignKey("runs.id"), nullable=True),
+    Column("updated_at", EpochMillis(), nullable=False),
+    PrimaryKeyConstraint("workflow_run_id", "step_id", name="pk_workflow_steps"),
+    UniqueConstraint(
+        "workflow_run_id", "position", name="uq_workflow_steps_workflow_run_id_position"
+    ),
+    UniqueConstraint("run_id", name="uq_workflow_steps_run_id"),
+    CheckConstraint(_one_of("status", _enum_values(StepStatus)), name="status"),
+    CheckConstraint("position >= 0", name="position"),
+    CheckConstraint(
+        f"(status = 'pending' AND run_id IS NULL) OR ({_STEP_WITH_RUN} AND run_id IS NOT NULL)"
+        " OR status = 'cancelled'",
+        name="run_iff_admitted",
+    ),
+)
+
+# The frontier's candidate query starts from the open steps: its cost follows the live work.
+Index(
+    "ix_workflow_steps_open",
+    workflow_steps.c.workflow_run_id,
+    workflow_steps.c.run_id,
+    postgresql_where=text(_OPEN_STEP),
+    sqlite_where=text(_OPEN_STEP),
+)
+
 ALL_TABLES = (
     runs,
     run_attempts,
@@ -388,4 +502,7 @@ ALL_TABLES = (
     run_events,
     worker_sessions,
     attempt_stop_reports,
+    triggers,
+    trigger_firings,
+    workflow_steps,
 )
