@@ -1,7 +1,11 @@
-"""The Edge profile: the Standalone shape with smaller page budgets, for small devices.
+"""The Edge profile: the Standalone shape for small devices, with smaller page budgets and no
+resident wake-ups.
 
-Like Standalone it never builds the Cluster's runtime recovery or lost retry steps and never
-loads the PostgreSQL adapter."""
+An idle Edge process makes no cycles at all: it sleeps until a submit pokes the database's wake
+channel, a task it runs finishes or needs its lease renewed, or the next due time (a retry's
+``next_attempt_at_ms``, a trigger's next firing, the boot's second recovery pass) arrives. Like
+Standalone it never builds the Cluster's runtime recovery or lost retry steps and never loads
+the PostgreSQL adapter."""
 
 from __future__ import annotations
 
@@ -10,18 +14,22 @@ from typing import Any
 from dependency_injector import providers
 
 from application.ports import RuntimeStore
-from bootstrap.core import DEFAULTS
-from bootstrap.standalone import StandaloneContainer
+from bootstrap.standalone import STANDALONE_DEFAULTS, StandaloneContainer
 
 EDGE_DEFAULTS: dict[str, object] = {
-    **DEFAULTS,
+    **STANDALONE_DEFAULTS,
+    "capacity": 2,
+    "resident_cadence_s": None,
     "startup_page_size": 8,
+    "due_retry_page_size": 4,
     "dispatch_page_size": 4,
+    "trigger_page_size": 4,
+    "workflow_page_size": 4,
 }
 
 
 class EdgeContainer(StandaloneContainer):
-    """Standalone's providers; only the page budgets differ (see ``EDGE_DEFAULTS``)."""
+    """Standalone's providers; only the settings differ (see ``EDGE_DEFAULTS``)."""
 
 
 def build(store: RuntimeStore | None = None, **settings: Any) -> EdgeContainer:

@@ -15,6 +15,7 @@ import pytest
 
 import adapters.memory.store as memory_store
 from adapters.memory import FakeClock, MemoryStore
+from adapters.sql.sqlite import SqliteStore
 from application.budgets import InvalidPageSize
 from application.lost_retry import LostRetry
 from application.recovery import RuntimeRecovery
@@ -612,7 +613,7 @@ def test_rule_5_no_wider_footprint_standalone_and_edge_declare_no_cluster_steps(
         provides = getattr(provider, "provides", None)
         if isinstance(provides, type):
             provided.append(provides)
-    assert MemoryStore in provided
+    assert SqliteStore in provided
     assert provided, "the walk found no providers"
     for cls in provided:
         assert not issubclass(cls, CLUSTER_ONLY), cls

@@ -4,7 +4,8 @@
     A fresh, empty store implementing :class:`application.ports.RuntimeStore`, parametrised as
     ``memory`` (:class:`adapters.memory.MemoryStore` on a :class:`adapters.memory.FakeClock`) and
     ``postgres`` (``adapters.postgres.store.PostgresStore`` on the module's database, reset before
-    each test). The ``postgres`` case is skipped only while that module does not exist.
+    each test) and ``sqlite`` (``adapters.sql.sqlite.SqliteStore`` on a fresh database file). The
+    ``postgres`` case is skipped only while that module does not exist.
 ``advance``
     ``advance(ms)`` moves the store's clock forward by ``ms`` milliseconds.
 """
@@ -44,6 +45,7 @@ STORES = [
             ),
         ],
     ),
+    pytest.param("sqlite", id="sqlite"),
 ]
 
 
@@ -55,6 +57,16 @@ def store(request: pytest.FixtureRequest) -> Iterator[Any]:
             yield memory
         finally:
             memory.close()
+        return
+    if request.param == "sqlite":
+        from adapters.sql.sqlite import SqliteStore
+
+        tmp_path = request.getfixturevalue("tmp_path")
+        sqlite = SqliteStore(tmp_path / "contract.sqlite")
+        try:
+            yield sqlite
+        finally:
+            sqlite.close()
         return
     url: str = request.getfixturevalue("pg_database_url")
     from adapters.postgres.store import PostgresStore
@@ -69,7 +81,7 @@ def store(request: pytest.FixtureRequest) -> Iterator[Any]:
 
 def advance_time(store: Any, ms: int) -> None:
     """Move a store's clock forward: the fake clock in memory, an offset added to
-    ``statement_timestamp()`` in PostgreSQL."""
+    ``statement_timestamp()`` in PostgreSQL and to the host's clock in SQLite."""
     if isinstance(store, MemoryStore):
         store.clock.advance(ms)
     else:

@@ -1,0 +1,110 @@
+"""``ql3 standalone``: one process that schedules and executes the work of an embedded SQLite
+database (runs admitted with ``ql3 submit --database-url sqlite:///PATH``, triggers, workflows),
+until SIGTERM or SIGINT; then it drains and exits 0. ``--edge`` runs the Edge profile: smaller
+page budgets and no resident wake-ups. Beside the database it keeps ``PATH.lock`` (one executing
+process per database) and ``PATH.wake`` (the named pipe a submit wakes it through)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from types import FrameType
+from typing import Any
+
+import click
+
+DEFAULT_DATABASE = "ql3.sqlite"
+
+
+def _stamp(line: str) -> None:
+    click.echo(time.strftime("%H:%M:%S ") + line)
+
+
+@contextmanager
+def _stop_on_signals(stop: Callable[[], None]) -> Iterator[None]:
+    """SIGTERM and SIGINT ask the runner to drain and stop (a second one as well: the drain is
+    bounded by its timeout)."""
+
+    def handler(_signum: int, _frame: FrameType | None) -> None:
+        stop()
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def _importable_cwd() -> None:
+    """``--app`` names a module of the current directory, as ``python -m`` would find it."""
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.insert(0, cwd)
+
+
+@click.command("standalone")
+@click.option("--app", "app_spec", required=True, help="The task mapping, as MODULE:ATTR.")
+@click.option(
+    "--db",
+    "database_path",
+    default=DEFAULT_DATABASE,
+    show_default=True,
+    type=click.Path(dir_okay=False),
+    help="The SQLite database file (created when missing).",
+)
+@click.option("--edge", is_flag=True, help="Run the Edge profile: no resident wake-ups.")
+@click.option("--capacity", type=click.IntRange(1, 1024), default=None, help="Tasks at once.")
+@click.option(
+    "--lease-ttl",
+    type=click.FloatRange(0.3, 3600),
+    default=None,
+    help="Seconds a lease lasts between renewals (a restart after a crash waits at most this).",
+)
+@click.option(
+    "--drain-timeout",
+    type=click.FloatRange(0, 3600),
+    default=None,
+    help="Seconds running tasks get to finish after SIGTERM.",
+)
+def standalone_command(
+    app_spec: str,
+    database_path: str,
+    edge: bool,
+    capacity: int | None,
+    lease_ttl: float | None,
+    drain_timeout: float | None,
+) -> None:
+    """Execute the tasks of --app on an embedded database until SIGTERM or SIGINT."""
+    from adapters.execution import AppLoadError, load_app
+
+    _importable_cwd()
+    try:
+        tasks = load_app(app_spec)
+    except AppLoadError as error:
+        raise click.UsageError(str(error)) from None
+    settings: dict[str, Any] = {"database_path": os.path.abspath(database_path)}
+    for name, value in (
+        ("capacity", capacity),
+        ("lease_ttl_s", lease_ttl),
+        ("drain_timeout_s", drain_timeout),
+    ):
+        if value is not None:
+            settings[name] = value
+    if edge:
+        from bootstrap import edge as profile
+    else:
+        from bootstrap import standalone as profile  # type: ignore[no-redef]
+    container = profile.build(**settings)
+    try:
+        runner = container.runner(tasks=tasks, emit=_stamp)
+        with _stop_on_signals(runner.request_stop):
+            name = "edge" if edge else "standalone"
+            _stamp(f"ql3 {name} on {settings['database_path']}: tasks {', '.join(sorted(tasks))}")
+            runner.serve()
+    finally:
+        container.store().close()

@@ -1,0 +1,16 @@
+"""The Standalone and Edge process: one process that admits, schedules and executes work on an
+embedded store, with startup recovery at boot and no continuous recovery."""
+
+from adapters.standalone.exclusive import AlreadyRunning, DatabaseLock
+from adapters.standalone.runner import BootReport, RunnerSettings, StandaloneRunner
+from adapters.standalone.steps import DueRetryStart, StandaloneCoordinator
+
+__all__ = [
+    "AlreadyRunning",
+    "BootReport",
+    "DatabaseLock",
+    "DueRetryStart",
+    "RunnerSettings",
+    "StandaloneCoordinator",
+    "StandaloneRunner",
+]
