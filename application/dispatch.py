@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from application.budgets import validate_page_size
-from application.ports import DispatchSource, QueuedAttempt, UnitOfWorkFactory
+from application.ports import QueuedAttempt, SchedulerUnitOfWorkFactory, TaskAdmissionSource
 from domain.errors import ConcurrencyConflict, InvalidTransition, SessionRejected
 from domain.model import AttemptStatus, RunStatus
 from domain.transitions import grant_lease
@@ -28,17 +30,32 @@ class DispatchReport:
         }
 
 
+def _fair_share_key(
+    task: str, head: QueuedAttempt, in_flight: Mapping[str, int], observed_at_ms: int
+) -> tuple[int, int, bytes]:
+    """Fewest in flight first, then the oldest queued head; tasks still tied are ordered by a
+    hash that changes with the store's clock, so no name is always served last."""
+    salt = hashlib.sha256(f"{observed_at_ms}:{task}".encode()).digest()[:8]
+    return (in_flight.get(task, 0), head.queued_at_ms, salt)
+
+
 class TaskAttemptAdmission:
     """Offers queued Attempts to active sessions that take the task and have free capacity.
 
-    Bounded per cycle (``page_size`` per task), fair across tasks (round robin over the tasks
-    that have queued work), and generation-bound: each offer is a new lease generation. A
-    session whose heartbeat is older than ``max_silence_ms`` gets no new offers."""
+    Bounded per cycle: at most ``page_size`` offers, from a page of at most ``page_size`` queued
+    Attempts per task. Fair across tasks: each offer goes to the task with the fewest Attempts
+    in flight (offered or executing, counted by the store and by this cycle's own offers), the
+    oldest queued head breaking ties, so a flood of one task never starves another however
+    many tasks there are. Generation-bound: each offer is a new lease generation, and the worker
+    must present that generation with every command. A session whose heartbeat is older than
+    ``max_silence_ms`` by the store's clock, or that has no free capacity, gets no new offers;
+    both are re-checked under the session's row lock in the offer's own transaction, so
+    concurrent replicas never offer a session more than its capacity."""
 
     def __init__(
         self,
-        uow_factory: UnitOfWorkFactory,
-        source: DispatchSource,
+        uow_factory: SchedulerUnitOfWorkFactory,
+        source: TaskAdmissionSource,
         lease_ttl_ms: int,
         max_silence_ms: int,
         page_size: int | None = None,
@@ -60,57 +77,95 @@ class TaskAttemptAdmission:
         by_task: dict[str, deque[QueuedAttempt]] = {}
         for item in page.items:
             by_task.setdefault(item.task, deque()).append(item)
+        if not by_task:
+            return DispatchReport(sessions=len(sessions))
+        in_flight = dict(self._source.in_flight_by_task(sorted(by_task)))
         free = {s.session.id: s.free for s in sessions}
-        offered = skipped = 0
-        rotation = deque(sorted(by_task))
+        # Decide every offer of the cycle first, then persist each session's offers in one
+        # transaction.
+        plan: dict[str, list[QueuedAttempt]] = {}
+        planned = 0
         turn = 0
-        budget = self._page_size
-        while rotation and offered < budget:
-            task = rotation.popleft()
-            queue = by_task[task]
-            item = queue.popleft()
-            takers = [
-                s.session for s in sessions if task in s.session.tasks and free[s.session.id] > 0
-            ]
-            if takers:
-                # Spread offers: start from a different session on each turn.
-                session = takers[turn % len(takers)]
-                turn += 1
-                if self._offer(item, session.id):
-                    offered += 1
-                    free[session.id] -= 1
-                else:
-                    skipped += 1
-                if queue:
-                    rotation.append(task)
+        while planned < self._page_size:
+            takers_of = {
+                task: [
+                    s.session
+                    for s in sessions
+                    if task in s.session.tasks and free[s.session.id] > 0
+                ]
+                for task, queue in by_task.items()
+                if queue
+            }
+            ready = [task for task, takers in takers_of.items() if takers]
+            if not ready:
+                break
+            task = min(
+                ready,
+                key=lambda t: _fair_share_key(t, by_task[t][0], in_flight, page.observed_at_ms),
+            )
+            item = by_task[task].popleft()
+            takers = takers_of[task]
+            # Spread offers: start from a different session on each turn.
+            session = takers[turn % len(takers)]
+            turn += 1
+            plan.setdefault(session.id, []).append(item)
+            planned += 1
+            free[session.id] -= 1
+            in_flight[task] = in_flight.get(task, 0) + 1
+        offered = sum(self._offer(session_id, items) for session_id, items in plan.items())
         return DispatchReport(
-            offered=offered, sessions=len(sessions), queued_seen=len(page.items), skipped=skipped
+            offered=offered,
+            sessions=len(sessions),
+            queued_seen=len(page.items),
+            skipped=planned - offered,
         )
 
-    def _offer(self, item: QueuedAttempt, session_id: str) -> bool:
+    def _offer(self, session_id: str, items: list[QueuedAttempt]) -> int:
+        """Offer ``items`` to one session in one transaction: the Attempts are locked (in id
+        order), then the session; its capacity and heartbeat are re-checked under that lock, so
+        concurrent replicas never offer a session more than its capacity. An Attempt that is no
+        longer a pristine queued one is left alone. Returns how many were offered."""
         with self._uow_factory() as uow:
-            snapshot = uow.runs.lock_attempt(item.attempt_id)
-            session = uow.sessions.get(session_id)
+            ordered = sorted(items, key=lambda item: item.attempt_id)
+            snapshots = uow.runs.lock_attempts([item.attempt_id for item in ordered])
+            capacity = uow.capacity.lock(session_id)
+            now_ms = uow.now_ms()
             if (
-                snapshot is None
-                or snapshot.attempt is None
-                or session is None
-                or snapshot.run.status is not RunStatus.QUEUED
-                or snapshot.attempt.status is not AttemptStatus.CLAIMED
-                or not snapshot.attempt.is_pristine
+                capacity is None
+                or capacity.session.last_heartbeat_at_ms <= now_ms - self._max_silence_ms
             ):
-                return False
+                return 0
+            room = capacity.free
+            writes = []
+            for snapshot in snapshots:
+                if room <= 0:
+                    break
+                if (
+                    snapshot is None
+                    or snapshot.attempt is None
+                    or snapshot.run.status is not RunStatus.QUEUED
+                    or snapshot.attempt.status is not AttemptStatus.CLAIMED
+                    or not snapshot.attempt.is_pristine
+                ):
+                    continue
+                try:
+                    change = grant_lease(
+                        run=snapshot.run,
+                        attempt=snapshot.attempt,
+                        previous_lease=snapshot.lease,
+                        session=capacity.session,
+                        ttl_ms=self._lease_ttl_ms,
+                        now_ms=now_ms,
+                    )
+                except (SessionRejected, InvalidTransition):
+                    continue
+                writes.append((snapshot, change))
+                room -= 1
+            if not writes:
+                return 0
             try:
-                change = grant_lease(
-                    run=snapshot.run,
-                    attempt=snapshot.attempt,
-                    previous_lease=snapshot.lease,
-                    session=session,
-                    ttl_ms=self._lease_ttl_ms,
-                    now_ms=uow.now_ms(),
-                )
-                uow.runs.apply(snapshot, change)
-            except (SessionRejected, InvalidTransition, ConcurrencyConflict):
-                return False
+                uow.runs.apply_many(writes)
+            except ConcurrencyConflict:
+                return 0
             uow.commit()
-            return True
+            return len(writes)

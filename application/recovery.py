@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 from application.budgets import validate_page_size
@@ -12,6 +15,13 @@ from application.ports import (
     UnitOfWorkFactory,
 )
 from domain.recovery import RecoveryHold, find_not_running_evidence, resolve_recovery
+
+# Recovery transactions of one replica running at once (each on its own connection).
+MAX_CONCURRENCY = 8
+
+
+class PassAborted(Exception):
+    """A candidate not started because an earlier one in the same pass failed."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,10 +84,16 @@ class RuntimeRecovery:
         uow_factory: UnitOfWorkFactory,
         source: RecoveryCandidateSource,
         page_size: int | None = None,
+        concurrency: int = 1,
     ) -> None:
+        if isinstance(concurrency, bool) or not isinstance(concurrency, int):
+            raise TypeError("concurrency must be an integer")
+        if not 1 <= concurrency <= MAX_CONCURRENCY:
+            raise ValueError(f"concurrency must be within 1..{MAX_CONCURRENCY}, got {concurrency}")
         self._uow_factory = uow_factory
         self._source = source
         self._page_size = validate_page_size(page_size)
+        self._concurrency = concurrency
 
     @property
     def page_size(self) -> int:
@@ -88,8 +104,7 @@ class RuntimeRecovery:
         page = self._source.recovery_candidates(limit)
         tally = {hold: 0 for hold in RecoveryHold}
         recovered: list[str] = []
-        for candidate in page.items:
-            hold = self._resolve(candidate)
+        for candidate, hold in zip(page.items, self._resolve_all(page.items), strict=True):
             if hold is None:
                 recovered.append(candidate.attempt_id)
             else:
@@ -104,6 +119,34 @@ class RuntimeRecovery:
             observed_at_ms=page.observed_at_ms,
             recovered_attempt_ids=tuple(recovered),
         )
+
+    def _resolve_all(self, candidates: Sequence[RecoveryCandidate]) -> list[RecoveryHold | None]:
+        """Each candidate in its own transaction; with ``concurrency`` > 1, that many at once.
+
+        The first error ends the pass: no candidate is started after it, the ones under way
+        finish (each commits or rolls back on its own), and the error is raised."""
+        if self._concurrency == 1 or len(candidates) < 2:
+            return [self._resolve(candidate) for candidate in candidates]
+        failed = threading.Event()
+
+        def resolve(candidate: RecoveryCandidate) -> RecoveryHold | None:
+            if failed.is_set():
+                raise PassAborted
+            try:
+                return self._resolve(candidate)
+            except BaseException:
+                failed.set()
+                raise
+
+        workers = min(self._concurrency, len(candidates))
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ql3-recovery") as pool:
+            futures = [pool.submit(resolve, candidate) for candidate in candidates]
+            wait(futures)
+        errors = [f.exception() for f in futures if f.exception() is not None]
+        first = next((e for e in errors if not isinstance(e, PassAborted)), None)
+        if first is not None:
+            raise first
+        return [f.result() for f in futures]
 
     def _resolve(self, candidate: RecoveryCandidate) -> RecoveryHold | None:
         with self._uow_factory() as uow:

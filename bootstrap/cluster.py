@@ -11,7 +11,7 @@ from typing import Any
 from dependency_injector import containers, providers
 
 from application.lost_retry import LostRetry
-from application.ports import RuntimeStore
+from application.ports import SchedulerStore
 from application.recovery import RuntimeRecovery
 from application.scheduler import ClusterSchedulerCoordinator, ClusterSchedulerLifecycle
 from application.startup import StartupRecovery
@@ -20,13 +20,15 @@ from bootstrap.core import DEFAULTS, RuntimeCoreContainer
 CLUSTER_DEFAULTS: dict[str, object] = {
     **DEFAULTS,
     "recovery_page_size": 16,
+    # Recovery transactions one replica runs at once; each holds one pooled connection.
+    "recovery_concurrency": 4,
     "lost_retry_page_size": 16,
     "startup_page_size": 64,
     "pool_size": 5,
 }
 
 
-def open_postgres_store(database_url: str, pool_size: int) -> RuntimeStore:
+def open_postgres_store(database_url: str, pool_size: int) -> SchedulerStore:
     from adapters.postgres.store import PostgresStore
 
     return PostgresStore.from_url(database_url, pool_size=pool_size)
@@ -42,6 +44,7 @@ class ClusterContainer(containers.DeclarativeContainer):
         uow_factory=store.provided.unit_of_work,
         source=store,
         page_size=config.recovery_page_size,
+        concurrency=config.recovery_concurrency,
     )
     lost_retry = providers.Singleton(
         LostRetry,
@@ -70,7 +73,7 @@ class ClusterContainer(containers.DeclarativeContainer):
     )
 
 
-def build(store: RuntimeStore | None = None, **settings: Any) -> ClusterContainer:
+def build(store: SchedulerStore | None = None, **settings: Any) -> ClusterContainer:
     """A Cluster container. ``database_url`` is required unless a ``store`` is given (tests)."""
     container = ClusterContainer()
     container.config.from_dict({**CLUSTER_DEFAULTS, **settings})

@@ -18,15 +18,19 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
+import psycopg
+from psycopg.rows import dict_row
 from sqlalchemy import Connection, Engine, create_engine, text
 from sqlalchemy.engine import make_url
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.pool import QueuePool
 from sqlalchemy.sql import Executable
 
-from adapters.postgres import queries
+from adapters.postgres import hot, queries
+from adapters.postgres import triggers as trigger_pages
+from adapters.postgres import workflows as workflow_pages
 from adapters.postgres.queries import (
     ADVISORY_LOCK_NAMESPACE,
     ATTEMPT_COLUMNS,
@@ -40,8 +44,12 @@ from adapters.postgres.queries import (
     recovery_candidates_query,
 )
 from adapters.sql import rows
+from adapters.sql.capacity import SqlCapacityLocks, in_flight_by_task
+from adapters.sql.triggers import SqlTriggerRepository
+from adapters.sql.workflows import SqlWorkflowRepository
 from application.ports import (
     HARD_PAGE_CAP,
+    DueTrigger,
     EvidenceRepository,
     Page,
     QueuedAttempt,
@@ -49,9 +57,12 @@ from application.ports import (
     RunCandidate,
     RunRepository,
     SessionCapacity,
+    SessionCapacityLocks,
     Snapshot,
     StoredEvent,
+    TriggerRepository,
     WorkerSessionRegistry,
+    WorkflowRepository,
 )
 from domain.errors import ConcurrencyConflict
 from domain.model import (
@@ -66,7 +77,7 @@ from domain.model import (
 from domain.transitions import Change
 
 if TYPE_CHECKING:
-    from application.ports import RuntimeStore, UnitOfWork
+    from application.ports import SchedulerStore, SchedulerUnitOfWork
 
 __all__ = [
     "ADVISORY_LOCK_NAMESPACE",
@@ -122,6 +133,17 @@ class PostgresUnitOfWork:
         self.runs: RunRepository = PostgresRunRepository(self)
         self.sessions: WorkerSessionRegistry = PostgresSessionRegistry(self)
         self.evidence: EvidenceRepository = PostgresEvidenceRepository(self)
+        self.triggers: TriggerRepository = SqlTriggerRepository(self)
+        self.workflows: WorkflowRepository = SqlWorkflowRepository(self)
+        self.capacity: SessionCapacityLocks = SqlCapacityLocks(self)
+        # What the last lock statement read besides the locked rows (the holder's session, the
+        # Attempt's stop reports, the clock), served to the next reads until anything is written.
+        self._seen_sessions: dict[str, WorkerSession | None] = {}
+        self._seen_reports: dict[str, tuple[StopReport, ...]] = {}
+        self._seen_now_ms: int | None = None
+        # Set when a write was refused after part of it may have been applied: the transaction
+        # can then only be rolled back.
+        self._broken: str | None = None
 
     def __enter__(self) -> PostgresUnitOfWork:
         if self._connection is not None:
@@ -156,17 +178,75 @@ class PostgresUnitOfWork:
         return self._store.clock_offset_ms
 
     def now_ms(self) -> int:
+        if self._seen_now_ms is not None:
+            return self._seen_now_ms
         value = self.connection.execute(queries.now_statement(self.clock_offset_ms)).scalar_one()
         return int(value)
 
     def commit(self) -> None:
+        if self._broken is not None:
+            raise ConcurrencyConflict(f"not committed: {self._broken}")
         self.connection.commit()
 
     def execute(self, statement: Executable) -> Any:
         return self.connection.execute(statement)
 
+    def execute_sql(self, sql: str, params: dict[str, Any], label: str) -> list[dict[str, Any]]:
+        """Plain SQL straight on the driver's connection (``%(name)s`` parameters), in this
+        transaction; the rows as dictionaries. Used by the hot paths of :mod:`hot`."""
+        driver = self.connection.connection.driver_connection
+        if driver is None:
+            raise RuntimeError("the unit of work has no open connection")
+        try:
+            with driver.cursor(row_factory=dict_row) as cursor:
+                cursor.execute(sql, params)
+                return cursor.fetchall()
+        except psycopg.Error as error:
+            # The same errors as through SQLAlchemy: wrapped in its exception classes, and a
+            # lost connection is invalidated so that the pool does not hand it out again.
+            dialect = self.connection.dialect
+            lost = dialect.is_disconnect(cast(Any, error), driver, None)
+            if lost:
+                self.connection.invalidate(error)
+            raise DBAPIError.instance(
+                f"<{label}>",
+                None,
+                error,
+                psycopg.Error,
+                hide_parameters=True,
+                connection_invalidated=lost,
+                dialect=dialect,
+            ) from error
+
+    def remember(
+        self,
+        sessions: dict[str, WorkerSession | None],
+        reports: dict[str, tuple[StopReport, ...]],
+        now_ms: int,
+    ) -> None:
+        self._seen_sessions = sessions
+        self._seen_reports = reports
+        self._seen_now_ms = now_ms
+
+    def forget(self) -> None:
+        self._seen_sessions = {}
+        self._seen_reports = {}
+        self._seen_now_ms = None
+
+    def seen_session(self, session_id: str) -> tuple[bool, WorkerSession | None]:
+        if session_id in self._seen_sessions:
+            return True, self._seen_sessions[session_id]
+        return False, None
+
+    def seen_reports(self, attempt_id: str) -> tuple[StopReport, ...] | None:
+        return self._seen_reports.get(attempt_id)
+
+    def break_transaction(self, reason: str) -> None:
+        self._broken = reason
+
     def write(self, statement: Executable, what: str) -> int:
         """Execute a write and return how many rows it touched; violations are conflicts."""
+        self.forget()
         with _conflicts_translated(what):
             result = self.connection.execute(statement)
         return int(getattr(result, "rowcount", 0))
@@ -210,15 +290,48 @@ class PostgresRunRepository:
         self._uow.atomically(insert_all)
 
     def lock_attempt(self, attempt_id: str, *, skip_locked: bool = False) -> Snapshot | None:
-        if skip_locked:
-            if not self._uow.execute(queries.try_advisory_lock(attempt_id)).scalar_one():
-                return None
-        else:
-            self._uow.execute(queries.advisory_lock(attempt_id))
-        row = self._uow.execute(queries.lock_attempt_rows(attempt_id)).mappings().first()
-        if row is None:
-            return None
-        return self._snapshot(row)
+        """One statement: the advisory lock (or the try-lock), then the row locks, plus what a
+        decision about the Attempt reads next (its session, its stop reports, the clock)."""
+        uow = self._uow
+        uow.forget()
+        params = hot.lock_attempt_params(attempt_id, uow.clock_offset_ms)
+        found_rows = uow.execute_sql(hot.lock_attempt_sql(skip_locked), params, "lock attempt")
+        snapshots = self._remember_locked(found_rows)
+        return snapshots.get(attempt_id)
+
+    def lock_attempts(self, attempt_ids: Sequence[str]) -> list[Snapshot | None]:
+        """:meth:`lock_attempt` for each id in the order given, in one statement."""
+        if not attempt_ids:
+            return []
+        uow = self._uow
+        uow.forget()
+        params = {"attempt_ids": list(attempt_ids), "clock_offset_ms": uow.clock_offset_ms}
+        found_rows = uow.execute_sql(hot.lock_attempts_sql(), params, "lock attempts")
+        snapshots = self._remember_locked(found_rows)
+        return [snapshots.get(attempt_id) for attempt_id in attempt_ids]
+
+    def _remember_locked(self, found_rows: Sequence[dict[str, Any]]) -> dict[str, Snapshot]:
+        snapshots: dict[str, Snapshot] = {}
+        sessions: dict[str, WorkerSession | None] = {}
+        reports: dict[str, tuple[StopReport, ...]] = {}
+        now_ms: int | None = None
+        for row in found_rows:
+            run = rows.run_from_row(row, hot.RUN_PREFIX)
+            attempt = rows.attempt_from_row(row, hot.ATTEMPT_PREFIX)
+            lease = None
+            if row[f"{hot.LEASE_PREFIX}run_id"] is not None:
+                lease = rows.lease_from_row(row, hot.LEASE_PREFIX)
+            if attempt.session_id is not None:
+                found = row[f"{hot.SESSION_PREFIX}id"] is not None
+                sessions[attempt.session_id] = (
+                    rows.session_from_row(row, hot.SESSION_PREFIX) if found else None
+                )
+            reports[attempt.id] = tuple(rows.report_from_row(item) for item in row["reports"] or ())
+            now_ms = int(row["observed_at"])
+            snapshots[attempt.id] = Snapshot(run=run, attempt=attempt, lease=lease)
+        if now_ms is not None:
+            self._uow.remember(sessions, reports, now_ms)
+        return snapshots
 
     def lock_run(self, run_id: str) -> Snapshot | None:
         for _ in range(LOCK_RUN_ATTEMPTS):
@@ -258,28 +371,58 @@ class PostgresRunRepository:
     def apply(self, before: Snapshot, change: Change) -> None:
         if change.run.id != before.run.id:
             raise ValueError(f"change of run {change.run.id} applied to run {before.run.id}")
-        self._uow.atomically(lambda: self._apply(before, change))
-
-    def _apply(self, before: Snapshot, change: Change) -> None:
         uow = self._uow
-        if change.run != before.run:
-            uow.compare_and_set(queries.update_run(before.run, change.run), f"run {before.run.id}")
-        for attempt in change.attempts:
-            what = f"attempt {attempt.id}"
-            if before.attempt is not None and attempt.id == before.attempt.id:
-                uow.compare_and_set(queries.update_attempt(before.attempt, attempt), what)
-            else:
-                uow.write(queries.insert_attempt(attempt), what)
-        lease = change.lease
-        if lease is not None:
-            what = f"lease {lease.run_id}/{lease.generation}"
-            old = before.lease
-            if old is not None and (old.run_id, old.generation) == (lease.run_id, lease.generation):
-                if lease != old:
-                    uow.compare_and_set(queries.update_lease(old, lease), what)
-            else:
-                uow.write(queries.insert_lease(lease), what)
-        uow.write(queries.insert_event(change.event), f"event of run {change.run.id}")
+        uow.forget()
+        statement = hot.apply_statement(
+            before.run,
+            change.run,
+            before.attempt,
+            change.attempts,
+            before.lease,
+            change.lease,
+            change.event,
+        )
+        what = f"run {before.run.id}"
+        # Inserted Attempts and leases can meet a unique index; a savepoint then keeps the
+        # transaction usable. Updates are fenced by the `ok` gate and need none.
+        inserts = any(name.startswith(("i_att", "i_lease")) for name in statement.names)
+
+        def write() -> Any:
+            with _conflicts_translated(what):
+                return uow.execute_sql(statement.sql(), statement.params, "apply change")[0]
+
+        result = uow.atomically(write) if inserts else write()
+        if not result["ok"]:
+            raise ConcurrencyConflict(f"{what} changed since it was read")
+        if any(int(result[name]) != 1 for name in statement.names):
+            # Only a row changed by a writer that did not hold the locks can get here.
+            uow.break_transaction(f"{what} changed while being written")
+            raise ConcurrencyConflict(f"{what} changed while being written")
+
+    def apply_many(self, writes: Sequence[tuple[Snapshot, Change]]) -> None:
+        """Every ``(before, change)`` in one statement, all or nothing; see the port."""
+        if not writes:
+            return
+        uow = self._uow
+        uow.forget()
+        batch = hot.apply_many_statement(writes)
+        what = f"{len(writes)} changes"
+
+        def write() -> Any:
+            with _conflicts_translated(what):
+                return uow.execute_sql(hot.apply_many_sql(), batch.params, "apply changes")[0]
+
+        try:
+            result = uow.atomically(write) if batch.inserts_rows else write()
+        except ConcurrencyConflict:
+            uow.break_transaction(f"{what} refused")
+            raise
+        if not result["ok"]:
+            uow.break_transaction(f"{what}: a row changed since it was read")
+            raise ConcurrencyConflict(f"{what}: a row changed since it was read")
+        if any(int(result[name]) != count for name, count in batch.expected.items()):
+            uow.break_transaction(f"{what} changed while being written")
+            raise ConcurrencyConflict(f"{what} changed while being written")
 
     def renew_lease(self, before: DispatchLease, after: DispatchLease) -> None:
         if (after.run_id, after.generation) != (before.run_id, before.generation):
@@ -323,6 +466,9 @@ class PostgresSessionRegistry:
         self._uow = uow
 
     def get(self, session_id: str) -> WorkerSession | None:
+        seen, session = self._uow.seen_session(session_id)
+        if seen:
+            return session
         row = self._uow.execute(queries.get_session(session_id)).mappings().first()
         return rows.session_from_row(row) if row is not None else None
 
@@ -356,6 +502,9 @@ class PostgresEvidenceRepository:
         self._uow.write(queries.insert_report(report), f"stop report of {report.attempt_id}")
 
     def reports_for(self, attempt_id: str) -> Sequence[StopReport]:
+        seen = self._uow.seen_reports(attempt_id)
+        if seen is not None:
+            return seen
         result = self._uow.execute(queries.reports_for(attempt_id)).mappings()
         return tuple(rows.report_from_row(row) for row in result)
 
@@ -389,6 +538,10 @@ class PostgresStore:
             pool_pre_ping=True,
             hide_parameters=True,  # errors reach cycle summaries and logs: no tokens in them
             isolation_level="READ COMMITTED",
+            # Every statement of the store looks rows up by key or walks a partial index whose
+            # predicate is a constant: one generic plan per prepared statement serves all
+            # parameter values, and skips planning on each execution.
+            connect_args={"options": "-c plan_cache_mode=force_generic_plan"},
         )
         return cls(engine)
 
@@ -493,9 +646,23 @@ class PostgresStore:
             for row in result
         )
 
+    def in_flight_by_task(self, tasks: Sequence[str]) -> dict[str, int]:
+        with self.engine.connect() as connection:
+            counts = in_flight_by_task(connection, tasks)
+            connection.rollback()
+        return counts
+
+    def due_triggers(self, limit: int) -> Page[DueTrigger]:
+        return trigger_pages.due_triggers(self, limit)
+
+    def workflow_candidates(self, limit: int) -> Page[RunCandidate]:
+        return workflow_pages.workflow_candidates(self, limit)
+
 
 if TYPE_CHECKING:
 
-    def _conforms(store: PostgresStore, uow: PostgresUnitOfWork) -> tuple[RuntimeStore, UnitOfWork]:
+    def _conforms(
+        store: PostgresStore, uow: PostgresUnitOfWork
+    ) -> tuple[SchedulerStore, SchedulerUnitOfWork]:
         """Lets mypy check that the store implements the ports structurally."""
         return store, uow

@@ -128,10 +128,16 @@ def test_lock_attempt_waits_on_the_advisory_lock_before_touching_any_row(
 
         _eventually(waits_on_advisory, "the contender to wait on the advisory lock")
         locks = _locks_of(observer, pid)
-        # No row lock yet: no transaction id, no lock on any of the three tables.
-        assert not [lock for lock in locks if lock[0] == "transactionid"]
-        touched = {lock[2] for lock in locks}
-        assert not touched & {"runs", "run_attempts", "run_dispatch_leases"}
+        # No row lock yet: locking a row assigns a transaction id, and none is assigned.
+        assert not [lock for lock in locks if lock[0] in ("transactionid", "tuple")]
+        # The lock statement's plan holds only the weak relation locks every reader takes,
+        # which block no row writer.
+        modes = observer.execute(
+            "SELECT DISTINCT l.mode FROM pg_locks l JOIN pg_class c ON c.oid = l.relation"
+            " WHERE l.pid = %s AND c.relname IN ('runs', 'run_attempts', 'run_dispatch_leases')",
+            (pid,),
+        ).fetchall()
+        assert {str(row[0]) for row in modes} <= {"AccessShareLock", "RowShareLock"}
     contender.join(WAIT_S)
     assert contender.error is None
     assert contender.snapshot is not None and contender.snapshot.attempt is not None

@@ -87,6 +87,9 @@ def cluster_for(url: str) -> ClusterContainer:
         database_url=url,
         lease_ttl_s=LEASE_TTL_S,
         recovery_page_size=16,
+        # One recovery transaction at a time, so that "nothing after the failed candidate" is
+        # exact (with more, the ones already under way finish on their own).
+        recovery_concurrency=1,
         lost_retry_page_size=16,
         dispatch_page_size=16,
         session_silence_s=300.0,
@@ -216,12 +219,15 @@ class CycleThread:
 
 
 def waiting_backend(observer: psycopg.Connection[tuple[object, ...]], dbname: str) -> int:
-    """The pid of the store's backend blocked on a row lock of ``run_dispatch_leases``."""
+    """The pid of the store's backend blocked on a row lock of ``run_dispatch_leases`` (the
+    only lock the test holds against it: the blocker's lease row)."""
     deadline = time.monotonic() + WAIT_S
     while time.monotonic() < deadline:
         row = observer.execute(
-            "SELECT pid FROM pg_stat_activity WHERE datname = %s AND pid <> pg_backend_pid()"
-            " AND wait_event_type = 'Lock' AND query LIKE '%%run_dispatch_leases%%'",
+            "SELECT a.pid FROM pg_stat_activity a JOIN pg_locks l ON l.pid = a.pid"
+            " WHERE a.datname = %s AND a.pid <> pg_backend_pid()"
+            " AND a.wait_event_type = 'Lock' AND NOT l.granted"
+            " AND l.locktype IN ('tuple', 'transactionid')",
             (dbname,),
         ).fetchone()
         if row is not None:
