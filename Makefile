@@ -2,7 +2,7 @@ PY ?= python3
 VENV = .venv
 PYTEST_ARGS ?=
 
-.PHONY: venv test demo clean bench-recovery bench-idle
+.PHONY: venv test demo clean bench-recovery bench-idle bench-recover-time bench-throughput
 
 venv: $(VENV)/.installed
 
@@ -10,7 +10,7 @@ venv: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(VENV)/bin/python -m pip install --quiet -e '.[dev]'
+	$(VENV)/bin/python -m pip install --quiet -e '.[dev,bench]'
 	touch $@
 
 test: venv
@@ -27,6 +27,12 @@ bench-recovery: venv
 
 bench-idle: venv
 	$(VENV)/bin/python -m benchmarks idle
+
+bench-recover-time: venv
+	$(VENV)/bin/python -m benchmarks recover-time
+
+bench-throughput: venv
+	$(VENV)/bin/python -m benchmarks throughput
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .mypy_cache .ruff_cache .pytest_cache .hypothesis

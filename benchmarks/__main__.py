@@ -1,4 +1,4 @@
-"""``python -m benchmarks <recovery|idle> [options]``."""
+"""``python -m benchmarks <recovery|idle|recover-time|throughput> [options]``."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from benchmarks.common import ADMIN_URL_ENV, ArgumentParser, BenchmarkError, adm
 
 
 def parser() -> ArgumentParser:
-    from benchmarks import idle, recovery
+    from benchmarks import idle, recover_time, recovery, throughput
 
     top = ArgumentParser(
         prog="python -m benchmarks",
@@ -18,7 +18,9 @@ def parser() -> ArgumentParser:
             f" databases on the server named by ${ADMIN_URL_ENV} (an admin URL)."
         ),
     )
-    commands = top.add_subparsers(dest="command", metavar="{recovery,idle}")
+    commands = top.add_subparsers(
+        dest="command", metavar="{recovery,idle,recover-time,throughput}"
+    )
     commands.required = True
     recovery.add_arguments(
         commands.add_parser(
@@ -28,14 +30,29 @@ def parser() -> ArgumentParser:
     idle.add_arguments(
         commands.add_parser("idle", help="one idle Cluster cycle: empty vs large history")
     )
+    recover_time.add_arguments(
+        commands.add_parser(
+            "recover-time", help="SIGKILL of a worker -> its run queued again and succeeded"
+        )
+    )
+    throughput.add_arguments(
+        commands.add_parser(
+            "throughput", help="no-op runs through one node and one worker vs PgQueuer"
+        )
+    )
     return top
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    from benchmarks import idle, recovery
+    from benchmarks import idle, recover_time, recovery, throughput
 
-    run = {"recovery": recovery.main, "idle": idle.main}[args.command]
+    run = {
+        "recovery": recovery.main,
+        "idle": idle.main,
+        "recover-time": recover_time.main,
+        "throughput": throughput.main,
+    }[args.command]
     try:
         return run(args, admin_url())
     except BenchmarkError as error:
