@@ -61,14 +61,9 @@ from sqlalchemy.pool import QueuePool
 from sqlalchemy.sql.elements import BindParameter
 
 from adapters.postgres import queries
-from adapters.postgres.queries import (
-    ADVISORY_LOCK_NAMESPACE,
-    ATTEMPT_COLUMNS,
-    LEASE_COLUMNS,
-    OPEN_SESSION_STATUSES,
-    RUN_COLUMNS,
-)
-from adapters.sql import rows
+from adapters.postgres.queries import ADVISORY_LOCK_NAMESPACE
+from adapters.sql import rows, statements
+from adapters.sql.repositories import SqlRunReads, SqlSessionReads
 from adapters.sql.schema import (
     EpochMillis,
     millis_to_datetime,
@@ -76,6 +71,12 @@ from adapters.sql.schema import (
     run_dispatch_leases,
     runs,
     worker_sessions,
+)
+from adapters.sql.statements import (
+    ATTEMPT_COLUMNS,
+    LEASE_COLUMNS,
+    OPEN_SESSION_STATUSES,
+    RUN_COLUMNS,
 )
 from application.ports import (
     EvidenceRepository,
@@ -91,11 +92,8 @@ from application.ports import (
 )
 from domain.errors import ConcurrencyConflict
 from domain.model import (
-    Attempt,
     DispatchLease,
     EvidenceKind,
-    Run,
-    RunStatus,
     SessionStatus,
     StopReport,
     WorkerSession,
@@ -191,8 +189,8 @@ def _read_attempt(try_lock: bool) -> Select:
     return (
         select(
             *([locked.label("locked")] if try_lock else []),
-            *queries.run_columns(),
-            *queries.attempt_columns(),
+            *statements.run_columns(),
+            *statements.attempt_columns(),
             *[column.label(f"{LEASE_COLUMNS}{column.key}") for column in lease.c],
         )
         .select_from(run_attempts.join(runs, runs.c.id == a.run_id).outerjoin(lease, true()))
@@ -321,9 +319,8 @@ class PostgresIngressUnitOfWork:
 # --- repositories ------------------------------------------------------------------------------
 
 
-class IngressRunRepository:
-    def __init__(self, uow: PostgresIngressUnitOfWork) -> None:
-        self._uow = uow
+class IngressRunRepository(SqlRunReads[PostgresIngressUnitOfWork]):
+    queries = queries
 
     def add(self, change: Change) -> None:
         _not_permitted("admit runs")
@@ -444,44 +441,19 @@ class IngressRunRepository:
         }
         self._uow.call(RENEW, item, f"lease {before.run_id}/{before.generation}")
 
-    def get_run(self, run_id: str) -> Run | None:
-        row = self._uow.execute(queries.get_run(run_id)).mappings().first()
-        return rows.run_from_row(row) if row is not None else None
-
-    def get_attempt(self, attempt_id: str) -> Attempt | None:
-        row = self._uow.execute(queries.get_attempt(attempt_id)).mappings().first()
-        return rows.attempt_from_row(row) if row is not None else None
-
-    def attempts_of(self, run_id: str) -> Sequence[Attempt]:
-        result = self._uow.execute(queries.attempts_of(run_id)).mappings()
-        return tuple(rows.attempt_from_row(row) for row in result)
-
-    def leases_of(self, run_id: str) -> Sequence[DispatchLease]:
-        result = self._uow.execute(queries.leases_of(run_id)).mappings()
-        return tuple(rows.lease_from_row(row) for row in result)
-
     def events_of(self, run_id: str) -> Sequence[StoredEvent]:
         _not_permitted("read run events")
 
-    def list_runs(self, status: RunStatus | None, limit: int) -> Sequence[Run]:
-        if limit < 1:
-            raise ValueError(f"limit must be >= 1, got {limit}")
-        result = self._uow.execute(queries.list_runs(status, limit)).mappings()
-        return tuple(rows.run_from_row(row) for row in result)
 
-
-class IngressSessionRegistry:
-    def __init__(self, uow: PostgresIngressUnitOfWork) -> None:
-        self._uow = uow
+class IngressSessionRegistry(SqlSessionReads[PostgresIngressUnitOfWork]):
+    queries = queries
 
     def get(self, session_id: str) -> WorkerSession | None:
         """The session, remembered as a session this unit of work may act for once the caller
         has checked its secret."""
-        row = self._uow.execute(queries.get_session(session_id)).mappings().first()
-        if row is None:
-            return None
-        session = rows.session_from_row(row)
-        self._uow.saw_session(session)
+        session = super().get(session_id)
+        if session is not None:
+            self._uow.saw_session(session)
         return session
 
     def open_sessions_of(self, worker_id: str) -> Sequence[WorkerSession]:
@@ -523,13 +495,6 @@ class IngressSessionRegistry:
         }
         self._uow.call(UPDATE_SESSIONS, item, f"session {before.id}")
         self._uow.saw_session(after)
-
-    def offers_of(self, session_id: str) -> Sequence[tuple[Attempt, DispatchLease]]:
-        result = self._uow.execute(queries.offers_of(session_id)).mappings()
-        return tuple(
-            (rows.attempt_from_row(row, ATTEMPT_COLUMNS), rows.lease_from_row(row, LEASE_COLUMNS))
-            for row in result
-        )
 
 
 class IngressEvidenceRepository:

@@ -15,16 +15,15 @@ here so that tests EXPLAIN exactly what the store runs) that observes the databa
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import psycopg
 from psycopg.rows import dict_row
 from sqlalchemy import Connection, Engine, create_engine, text
 from sqlalchemy.engine import make_url
-from sqlalchemy.exc import DBAPIError, IntegrityError
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.pool import QueuePool
 from sqlalchemy.sql import Executable
 
@@ -33,9 +32,6 @@ from adapters.postgres import triggers as trigger_pages
 from adapters.postgres import workflows as workflow_pages
 from adapters.postgres.queries import (
     ADVISORY_LOCK_NAMESPACE,
-    ATTEMPT_COLUMNS,
-    LEASE_COLUMNS,
-    RUN_COLUMNS,
     available_sessions_query,
     due_retries_query,
     lost_runs_query,
@@ -43,12 +39,20 @@ from adapters.postgres.queries import (
     queued_attempts_query,
     recovery_candidates_query,
 )
-from adapters.sql import rows
+from adapters.sql import rows, statements
 from adapters.sql.capacity import SqlCapacityLocks, in_flight_by_task
+from adapters.sql.repositories import (
+    SqlEvidenceRepository,
+    SqlRunRepository,
+    SqlSessionRegistry,
+    check_page_limit,
+)
+from adapters.sql.statements import ATTEMPT_COLUMNS, LEASE_COLUMNS, RUN_COLUMNS
+from adapters.sql.transaction import ConnectionTransaction
+from adapters.sql.transaction import conflicts_translated as _conflicts_translated
 from adapters.sql.triggers import SqlTriggerRepository
 from adapters.sql.workflows import SqlWorkflowRepository
 from application.ports import (
-    HARD_PAGE_CAP,
     DueTrigger,
     EvidenceRepository,
     Page,
@@ -59,18 +63,14 @@ from application.ports import (
     SessionCapacity,
     SessionCapacityLocks,
     Snapshot,
-    StoredEvent,
     TriggerRepository,
     WorkerSessionRegistry,
     WorkflowRepository,
 )
 from domain.errors import ConcurrencyConflict
 from domain.model import (
-    Attempt,
     AttemptStatus,
     DispatchLease,
-    Run,
-    RunStatus,
     StopReport,
     WorkerSession,
 )
@@ -96,14 +96,6 @@ DRIVER = "postgresql+psycopg"
 # How often lock_run re-reads the Run's latest Attempt when it changed while the locks were taken.
 LOCK_RUN_ATTEMPTS = 3
 
-T = TypeVar("T")
-
-
-def check_page_limit(limit: int, name: str = "limit") -> None:
-    """Page sizes are 1..HARD_PAGE_CAP; anything else is a caller's bug."""
-    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= HARD_PAGE_CAP:
-        raise ValueError(f"{name} must be an integer within 1..{HARD_PAGE_CAP}, got {limit!r}")
-
 
 def _driver_url(url: str) -> str:
     parsed = make_url(url)
@@ -112,19 +104,10 @@ def _driver_url(url: str) -> str:
     return parsed.render_as_string(hide_password=False)
 
 
-@contextmanager
-def _conflicts_translated(what: str) -> Iterator[None]:
-    """Unique, exclusion, check and foreign-key violations are concurrency conflicts."""
-    try:
-        yield
-    except IntegrityError as error:
-        raise ConcurrencyConflict(f"{what}: {error.orig}") from error
-
-
 # --- unit of work ------------------------------------------------------------------------------
 
 
-class PostgresUnitOfWork:
+class PostgresUnitOfWork(ConnectionTransaction):
     """One connection, one READ COMMITTED transaction. Rolls back unless committed."""
 
     def __init__(self, store: PostgresStore) -> None:
@@ -168,12 +151,6 @@ class PostgresUnitOfWork:
             connection.close()
 
     @property
-    def connection(self) -> Connection:
-        if self._connection is None:
-            raise RuntimeError("use the unit of work inside its `with` block")
-        return self._connection
-
-    @property
     def clock_offset_ms(self) -> int:
         return self._store.clock_offset_ms
 
@@ -187,9 +164,6 @@ class PostgresUnitOfWork:
         if self._broken is not None:
             raise ConcurrencyConflict(f"not committed: {self._broken}")
         self.connection.commit()
-
-    def execute(self, statement: Executable) -> Any:
-        return self.connection.execute(statement)
 
     def execute_sql(self, sql: str, params: dict[str, Any], label: str) -> list[dict[str, Any]]:
         """Plain SQL straight on the driver's connection (``%(name)s`` parameters), in this
@@ -247,47 +221,14 @@ class PostgresUnitOfWork:
     def write(self, statement: Executable, what: str) -> int:
         """Execute a write and return how many rows it touched; violations are conflicts."""
         self.forget()
-        with _conflicts_translated(what):
-            result = self.connection.execute(statement)
-        return int(getattr(result, "rowcount", 0))
-
-    def compare_and_set(self, statement: Executable, what: str) -> None:
-        if self.write(statement, what) != 1:
-            raise ConcurrencyConflict(f"{what} changed since it was read")
-
-    def atomically(self, body: Callable[[], T]) -> T:
-        """Run a multi-statement write under a savepoint: all of it or none of it."""
-        savepoint = self.connection.begin_nested()
-        try:
-            result = body()
-        except BaseException:
-            if savepoint.is_active:
-                savepoint.rollback()
-            raise
-        savepoint.commit()
-        return result
+        return super().write(statement, what)
 
 
 # --- repositories ------------------------------------------------------------------------------
 
 
-class PostgresRunRepository:
-    def __init__(self, uow: PostgresUnitOfWork) -> None:
-        self._uow = uow
-
-    def add(self, change: Change) -> None:
-        def insert_all() -> None:
-            self._uow.write(queries.insert_run(change.run), f"run {change.run.id}")
-            for attempt in change.attempts:
-                self._uow.write(queries.insert_attempt(attempt), f"attempt {attempt.id}")
-            if change.lease is not None:
-                lease = change.lease
-                self._uow.write(
-                    queries.insert_lease(lease), f"lease {lease.run_id}/{lease.generation}"
-                )
-            self._uow.write(queries.insert_event(change.event), f"event of run {change.run.id}")
-
-        self._uow.atomically(insert_all)
+class PostgresRunRepository(SqlRunRepository[PostgresUnitOfWork]):
+    queries = queries
 
     def lock_attempt(self, attempt_id: str, *, skip_locked: bool = False) -> Snapshot | None:
         """One statement: the advisory lock (or the try-lock), then the row locks, plus what a
@@ -355,7 +296,7 @@ class PostgresRunRepository:
         raise ConcurrencyConflict(f"run {run_id} kept gaining attempts while being locked")
 
     def _latest_attempt_id(self, run_id: str) -> tuple[str, str | None] | None:
-        row = self._uow.execute(queries.latest_attempt_of(run_id)).first()
+        row = self._uow.execute(statements.latest_attempt_of(run_id)).first()
         if row is None:
             return None
         return str(row[0]), (None if row[1] is None else str(row[1]))
@@ -432,81 +373,23 @@ class PostgresRunRepository:
         if self._uow.write(statement, what) != 1:
             raise ConcurrencyConflict(f"{what} is no longer the live lease presented")
 
-    def get_run(self, run_id: str) -> Run | None:
-        row = self._uow.execute(queries.get_run(run_id)).mappings().first()
-        return rows.run_from_row(row) if row is not None else None
 
-    def get_attempt(self, attempt_id: str) -> Attempt | None:
-        row = self._uow.execute(queries.get_attempt(attempt_id)).mappings().first()
-        return rows.attempt_from_row(row) if row is not None else None
-
-    def attempts_of(self, run_id: str) -> Sequence[Attempt]:
-        result = self._uow.execute(queries.attempts_of(run_id)).mappings()
-        return tuple(rows.attempt_from_row(row) for row in result)
-
-    def leases_of(self, run_id: str) -> Sequence[DispatchLease]:
-        result = self._uow.execute(queries.leases_of(run_id)).mappings()
-        return tuple(rows.lease_from_row(row) for row in result)
-
-    def events_of(self, run_id: str) -> Sequence[StoredEvent]:
-        result = self._uow.execute(queries.events_of(run_id)).mappings()
-        return tuple(
-            StoredEvent(sequence=int(row["id"]), event=rows.event_from_row(row)) for row in result
-        )
-
-    def list_runs(self, status: RunStatus | None, limit: int) -> Sequence[Run]:
-        if limit < 1:
-            raise ValueError(f"limit must be >= 1, got {limit}")
-        result = self._uow.execute(queries.list_runs(status, limit)).mappings()
-        return tuple(rows.run_from_row(row) for row in result)
-
-
-class PostgresSessionRegistry:
-    def __init__(self, uow: PostgresUnitOfWork) -> None:
-        self._uow = uow
+class PostgresSessionRegistry(SqlSessionRegistry[PostgresUnitOfWork]):
+    queries = queries
 
     def get(self, session_id: str) -> WorkerSession | None:
         seen, session = self._uow.seen_session(session_id)
         if seen:
             return session
-        row = self._uow.execute(queries.get_session(session_id)).mappings().first()
-        return rows.session_from_row(row) if row is not None else None
-
-    def open_sessions_of(self, worker_id: str) -> Sequence[WorkerSession]:
-        result = self._uow.execute(queries.open_sessions_of(worker_id)).mappings()
-        return tuple(rows.session_from_row(row) for row in result)
-
-    def add(self, session: WorkerSession) -> None:
-        statement = queries.insert_session(session)
-        self._uow.atomically(lambda: self._uow.write(statement, f"session {session.id}"))
-
-    def update(self, before: WorkerSession, after: WorkerSession) -> None:
-        if after.id != before.id:
-            raise ValueError("a session update must name the same session before and after")
-        statement = queries.update_session(before, after)
-        self._uow.atomically(lambda: self._uow.compare_and_set(statement, f"session {before.id}"))
-
-    def offers_of(self, session_id: str) -> Sequence[tuple[Attempt, DispatchLease]]:
-        result = self._uow.execute(queries.offers_of(session_id)).mappings()
-        return tuple(
-            (rows.attempt_from_row(row, ATTEMPT_COLUMNS), rows.lease_from_row(row, LEASE_COLUMNS))
-            for row in result
-        )
+        return super().get(session_id)
 
 
-class PostgresEvidenceRepository:
-    def __init__(self, uow: PostgresUnitOfWork) -> None:
-        self._uow = uow
-
-    def record(self, report: StopReport) -> None:
-        self._uow.write(queries.insert_report(report), f"stop report of {report.attempt_id}")
-
+class PostgresEvidenceRepository(SqlEvidenceRepository[PostgresUnitOfWork]):
     def reports_for(self, attempt_id: str) -> Sequence[StopReport]:
         seen = self._uow.seen_reports(attempt_id)
         if seen is not None:
             return seen
-        result = self._uow.execute(queries.reports_for(attempt_id)).mappings()
-        return tuple(rows.report_from_row(row) for row in result)
+        return super().reports_for(attempt_id)
 
 
 # --- the store ---------------------------------------------------------------------------------

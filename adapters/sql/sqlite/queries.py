@@ -1,4 +1,6 @@
-"""Every SQL statement of the SQLite store, as SQLAlchemy Core constructs on the shared tables.
+"""The SQLite store's own SQL statements, as SQLAlchemy Core constructs on the shared tables:
+its candidate pages, its due times, and the shared statements of :mod:`adapters.sql.statements`
+in its spelling (:data:`SQLITE`).
 
 The store's clock is read in Python by the store and bound into each statement as ``now`` (epoch
 milliseconds), so a page compares with exactly the ``observed_at_ms`` it reports. There are no
@@ -8,108 +10,20 @@ whole database, which serialises every writer.
 
 from __future__ import annotations
 
-import enum
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import (
-    ColumnElement,
-    Delete,
-    Insert,
-    Select,
-    Update,
-    and_,
-    delete,
-    exists,
-    false,
-    func,
-    insert,
-    literal,
-    not_,
-    or_,
-    select,
-    update,
-)
-from sqlalchemy.sql.base import ReadOnlyColumnCollection
+from sqlalchemy import ColumnElement, Delete, Select, Update, delete, func, literal, select
 
-from adapters.sql import rows
-from adapters.sql.schema import (
-    attempt_stop_reports,
-    metadata,
-    run_attempts,
-    run_dispatch_leases,
-    run_events,
-    runs,
-    triggers,
-    worker_sessions,
-)
-from domain.events import RunEvent
-from domain.model import (
-    Attempt,
-    AttemptStatus,
-    DispatchLease,
-    LeaseStatus,
-    Run,
-    RunOwner,
-    RunStatus,
-    SessionStatus,
-    StopReport,
-    WorkerSession,
-)
+from adapters.sql import statements
+from adapters.sql.schema import metadata, run_attempts, run_dispatch_leases, runs, triggers
+from adapters.sql.statements import Spelling, attempt_columns, run_columns
+from domain.model import DispatchLease, LeaseStatus, RunOwner, RunStatus
 from domain.triggers import TriggerStatus
 
-RUN_COLUMNS = "r_"
-ATTEMPT_COLUMNS = "a_"
-LEASE_COLUMNS = "l_"
-
-ACTIVE_ATTEMPT_STATUSES = (AttemptStatus.CLAIMED, AttemptStatus.STARTING, AttemptStatus.RUNNING)
-RECOVERABLE_RUN_STATUSES = (RunStatus.DISPATCHING, RunStatus.RUNNING, RunStatus.LOST)
-OPEN_SESSION_STATUSES = (SessionStatus.ACTIVE, SessionStatus.DRAINING)
-GONE_SESSION_STATUSES = (SessionStatus.CLOSED, SessionStatus.REPLACED)
-
-
-def _is(column: ColumnElement[str], status: enum.Enum) -> ColumnElement[bool]:
-    return column == str(status.value)
-
-
-def _one_of(column: ColumnElement[str], statuses: Iterable[enum.Enum]) -> ColumnElement[bool]:
-    return column.in_([str(s.value) for s in statuses])
-
-
-def _labelled(
-    table_columns: Iterable[ColumnElement[object]], prefix: str
-) -> list[ColumnElement[object]]:
-    return [column.label(f"{prefix}{column.key}") for column in table_columns]
-
-
-def _without(values: rows.Values, *keys: str) -> rows.Values:
-    return {name: value for name, value in values.items() if name not in keys}
-
-
-def _pristine(a: ReadOnlyColumnCollection[str, ColumnElement[Any]]) -> ColumnElement[bool]:
-    """Mirror of :attr:`domain.model.Attempt.is_pristine` on columns of ``run_attempts``."""
-    return and_(
-        _is(a.status, AttemptStatus.CLAIMED),
-        a.session_id.is_(None),
-        a.worker_id.is_(None),
-        a.lease_generation.is_(None),
-        a.offered_at.is_(None),
-        a.accepted_at.is_(None),
-        a.started_at.is_(None),
-    )
-
-
-def _latest_attempt_id() -> ColumnElement[str]:
-    """The id of the Run's highest-number Attempt (correlated to ``runs``)."""
-    a = run_attempts.c
-    return (
-        select(a.id)
-        .where(a.run_id == runs.c.id)
-        .order_by(a.number.desc())
-        .limit(1)
-        .correlate(runs)
-        .scalar_subquery()
-    )
+# Status constants bound, text ids in the default (binary) order.
+SQLITE = Spelling(inline_constants=False, id_collation=None)
+_is = SQLITE.is_
 
 
 # --- reads inside a unit of work ---------------------------------------------------------------
@@ -118,15 +32,10 @@ def _latest_attempt_id() -> ColumnElement[str]:
 def attempt_with_run(attempt_id: str) -> Select:
     """Run and Attempt side by side, columns prefixed ``r_`` and ``a_``."""
     return (
-        select(*_labelled(runs.c, RUN_COLUMNS), *_labelled(run_attempts.c, ATTEMPT_COLUMNS))
+        select(*run_columns(), *attempt_columns())
         .select_from(runs.join(run_attempts, run_attempts.c.run_id == runs.c.id))
         .where(run_attempts.c.id == attempt_id)
     )
-
-
-def latest_attempt_of(run_id: str) -> Select:
-    """The Run's id (so that a missing Run is told apart) and its highest-number Attempt id."""
-    return select(runs.c.id, _latest_attempt_id().label("attempt_id")).where(runs.c.id == run_id)
 
 
 def lease_of(run_id: str, generation: int | None) -> Select:
@@ -138,173 +47,22 @@ def lease_of(run_id: str, generation: int | None) -> Select:
     return statement.order_by(l.generation.desc()).limit(1)
 
 
-def get_run(run_id: str) -> Select:
-    return select(runs).where(runs.c.id == run_id)
-
-
-def get_attempt(attempt_id: str) -> Select:
-    return select(run_attempts).where(run_attempts.c.id == attempt_id)
-
-
-def attempts_of(run_id: str) -> Select:
-    a = run_attempts.c
-    return select(run_attempts).where(a.run_id == run_id).order_by(a.number)
-
-
-def leases_of(run_id: str) -> Select:
-    l = run_dispatch_leases.c  # noqa: E741
-    return select(run_dispatch_leases).where(l.run_id == run_id).order_by(l.generation)
-
-
-def events_of(run_id: str) -> Select:
-    e = run_events.c
-    return select(run_events).where(e.run_id == run_id).order_by(e.id)
-
-
 def list_runs(status: RunStatus | None, limit: int) -> Select:
-    statement = select(runs)
-    if status is not None:
-        statement = statement.where(_is(runs.c.status, status))
-    return statement.order_by(runs.c.created_at, runs.c.id).limit(limit)
-
-
-def get_session(session_id: str) -> Select:
-    return select(worker_sessions).where(worker_sessions.c.id == session_id)
+    return statements.list_runs(status, limit, SQLITE)
 
 
 def open_sessions_of(worker_id: str) -> Select:
-    s = worker_sessions.c
-    return (
-        select(worker_sessions)
-        .where(s.worker_id == worker_id, _one_of(s.status, OPEN_SESSION_STATUSES))
-        .order_by(s.id)
-    )
+    return statements.open_sessions_of(worker_id, SQLITE)
 
 
 def offers_of(session_id: str) -> Select:
-    a = run_attempts.c
-    l = run_dispatch_leases.c  # noqa: E741
-    return (
-        select(*_labelled(run_attempts.c, ATTEMPT_COLUMNS), *_labelled(l, LEASE_COLUMNS))
-        .select_from(run_dispatch_leases.join(run_attempts, a.id == l.attempt_id))
-        .where(
-            _is(l.status, LeaseStatus.LEASED),
-            l.holder_session_id == session_id,
-            l.token_hash.is_(None),
-            _is(a.status, AttemptStatus.CLAIMED),
-        )
-        .order_by(l.granted_at, a.id)
-    )
-
-
-def reports_for(attempt_id: str) -> Select:
-    r = attempt_stop_reports.c
-    return (
-        select(attempt_stop_reports).where(r.attempt_id == attempt_id).order_by(r.reported_at, r.id)
-    )
-
-
-# --- writes: inserts ---------------------------------------------------------------------------
-
-
-def insert_run(run: Run) -> Insert:
-    return insert(runs).values(rows.run_values(run))
-
-
-def insert_attempt(attempt: Attempt) -> Insert:
-    return insert(run_attempts).values(rows.attempt_values(attempt))
-
-
-def insert_lease(lease: DispatchLease) -> Insert:
-    return insert(run_dispatch_leases).values(rows.lease_values(lease))
-
-
-def insert_event(event: RunEvent) -> Insert:
-    return insert(run_events).values(rows.event_values(event))
-
-
-def insert_session(session: WorkerSession) -> Insert:
-    return insert(worker_sessions).values(rows.session_values(session))
-
-
-def insert_report(report: StopReport) -> Insert:
-    return insert(attempt_stop_reports).values(rows.report_values(report))
-
-
-# --- writes: compare-and-set updates -----------------------------------------------------------
-
-
-def update_run(before: Run, after: Run) -> Update:
-    """Fenced on the status and attempt count the transaction read."""
-    return (
-        update(runs)
-        .where(
-            runs.c.id == before.id,
-            runs.c.status == before.status.value,
-            runs.c.attempt_count == before.attempt_count,
-        )
-        .values(_without(rows.run_values(after), "id"))
-    )
-
-
-def update_attempt(before: Attempt, after: Attempt) -> Update:
-    """Fenced on the status and lease version the transaction read."""
-    a = run_attempts.c
-    return (
-        update(run_attempts)
-        .where(
-            a.id == before.id,
-            a.status == before.status.value,
-            a.lease_version.is_not_distinct_from(before.lease_version),
-        )
-        .values(_without(rows.attempt_values(after), "id"))
-    )
-
-
-def update_lease(before: DispatchLease, after: DispatchLease) -> Update:
-    """Fenced on version, status and token hash of the lease the transaction read."""
-    l = run_dispatch_leases.c  # noqa: E741
-    return (
-        update(run_dispatch_leases)
-        .where(
-            l.run_id == before.run_id,
-            l.generation == before.generation,
-            l.version == before.version,
-            l.status == before.status.value,
-            l.token_hash.is_not_distinct_from(before.token_hash),
-        )
-        .values(_without(rows.lease_values(after), "run_id", "generation"))
-    )
+    return statements.offers_of(session_id, SQLITE)
 
 
 def renew_lease(before: DispatchLease, after: DispatchLease, now_ms: int) -> Update:
     """Moves only ``expires_at``, while the presented lease is still leased, unchanged and
     unexpired by the store's clock."""
-    l = run_dispatch_leases.c  # noqa: E741
-    token_matches = l.token_hash == before.token_hash if before.token_hash is not None else false()
-    return (
-        update(run_dispatch_leases)
-        .where(
-            l.run_id == before.run_id,
-            l.generation == before.generation,
-            l.version == before.version,
-            _is(l.status, LeaseStatus.LEASED),
-            l.status == before.status.value,
-            token_matches,
-            l.expires_at > now_ms,
-        )
-        .values(expires_at=after.expires_at_ms)
-    )
-
-
-def update_session(before: WorkerSession, after: WorkerSession) -> Update:
-    """Fenced on the status the transaction read."""
-    s = worker_sessions.c
-    return (
-        update(worker_sessions)
-        .where(s.id == before.id, s.status == before.status.value)
-        .values(_without(rows.session_values(after), "id"))
-    )
+    return statements.renew_lease(before, after, now_ms, SQLITE)
 
 
 # --- candidate sources: one statement each -----------------------------------------------------
@@ -315,43 +73,13 @@ def update_session(before: WorkerSession, after: WorkerSession) -> Update:
 def recovery_candidates_query(limit: int, now_ms: int) -> Select:
     """Runtime-owned, non-pristine claimed|starting|running Attempts of dispatching|running|lost
     Runs whose own lease is missing, released or expired; resolvable ones first."""
-    a = run_attempts.c
-    r = runs.c
-    l = run_dispatch_leases.c  # noqa: E741
-    stop_reported = exists().where(attempt_stop_reports.c.attempt_id == a.id)
-    session_gone = exists().where(
-        worker_sessions.c.id == a.session_id,
-        _one_of(worker_sessions.c.status, GONE_SESSION_STATUSES),
-    )
-    resolvable = or_(_is(a.status, AttemptStatus.CLAIMED), stop_reported, session_gone)
-    own_lease = and_(l.run_id == a.run_id, l.generation == a.lease_generation, l.attempt_id == a.id)
-    return (
-        select(
-            a.run_id.label("run_id"),
-            a.id.label("attempt_id"),
-            a.status.label("attempt_status"),
-            l.expires_at.label("lease_expires_at"),
-            resolvable.label("resolvable"),
-        )
-        .select_from(
-            run_attempts.join(runs, r.id == a.run_id).outerjoin(run_dispatch_leases, own_lease)
-        )
-        .where(
-            _one_of(a.status, ACTIVE_ATTEMPT_STATUSES),
-            not_(_pristine(a)),
-            _is(r.owner, RunOwner.RUNTIME),
-            _one_of(r.status, RECOVERABLE_RUN_STATUSES),
-            or_(l.run_id.is_(None), _is(l.status, LeaseStatus.RELEASED), l.expires_at <= now_ms),
-        )
-        .order_by(resolvable.desc(), l.expires_at.asc().nulls_first(), a.id)
-        .limit(limit + 1)
-    )
+    return statements.recovery_page(limit, now_ms, SQLITE)
 
 
 def _run_page(
     *, where: Sequence[ColumnElement[bool]], since: ColumnElement[int], limit: int, latest: bool
 ) -> Select:
-    attempt_id: ColumnElement[Any] = _latest_attempt_id() if latest else literal(None)
+    attempt_id: ColumnElement[Any] = statements.latest_attempt_id() if latest else literal(None)
     return (
         select(runs.c.id.label("run_id"), attempt_id.label("attempt_id"), since.label("since"))
         .where(_is(runs.c.owner, RunOwner.RUNTIME), *where)
@@ -405,8 +133,12 @@ def queued_attempts_query(limit_per_task: int, tasks: Sequence[str]) -> Select:
             .over(partition_by=r.task, order_by=(a.created_at, r.id))
             .label("task_rank"),
         )
-        .select_from(runs.join(run_attempts, a.id == _latest_attempt_id()))
-        .where(_is(r.status, RunStatus.QUEUED), r.task.in_(list(tasks)), _pristine(a))
+        .select_from(runs.join(run_attempts, a.id == statements.latest_attempt_id()))
+        .where(
+            _is(r.status, RunStatus.QUEUED),
+            r.task.in_(list(tasks)),
+            statements.pristine(a, SQLITE),
+        )
         .subquery("ranked")
     )
     return (
@@ -419,19 +151,7 @@ def queued_attempts_query(limit_per_task: int, tasks: Sequence[str]) -> Select:
 def available_sessions_query(max_silence_ms: int, now_ms: int) -> Select:
     """Active sessions heard from less than ``max_silence_ms`` ago, with the number of leased
     leases each holds, by id."""
-    s = worker_sessions.c
-    l = run_dispatch_leases.c  # noqa: E741
-    in_flight = (
-        select(func.count())
-        .where(l.holder_session_id == s.id, _is(l.status, LeaseStatus.LEASED))
-        .correlate(worker_sessions)
-        .scalar_subquery()
-    )
-    return (
-        select(worker_sessions, in_flight.label("in_flight"))
-        .where(_is(s.status, SessionStatus.ACTIVE), s.last_heartbeat_at > now_ms - max_silence_ms)
-        .order_by(s.id)
-    )
+    return statements.sessions_heard_since(now_ms - max_silence_ms, SQLITE)
 
 
 # --- due times (what an idle Edge process sleeps until) ---------------------------------------

@@ -35,23 +35,28 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import BigInteger, ColumnElement, Connection, Engine, create_engine, event, literal
-from sqlalchemy.exc import IntegrityError
 from sqlalchemy.pool import StaticPool
 from sqlalchemy.sql import Executable
 
-from adapters.sql import rows
+from adapters.sql import rows, statements
 from adapters.sql.capacity import SqlCapacityLocks, in_flight_by_task
+from adapters.sql.repositories import (
+    SqlEvidenceRepository,
+    SqlRunRepository,
+    SqlSessionRegistry,
+    check_page_limit,
+)
 from adapters.sql.schema import metadata
 from adapters.sql.sqlite import queries
-from adapters.sql.sqlite.queries import ATTEMPT_COLUMNS, LEASE_COLUMNS, RUN_COLUMNS
 from adapters.sql.sqlite.wake import poke, wake_path_for
+from adapters.sql.statements import ATTEMPT_COLUMNS, RUN_COLUMNS
+from adapters.sql.transaction import ConnectionTransaction
 from adapters.sql.triggers import SqlTriggerRepository, due_triggers_query
 from adapters.sql.workflows import SqlWorkflowRepository, workflow_candidates_query
 from application.ports import (
-    HARD_PAGE_CAP,
     DueTrigger,
     EvidenceRepository,
     Page,
@@ -62,7 +67,6 @@ from application.ports import (
     SessionCapacity,
     SessionCapacityLocks,
     Snapshot,
-    StoredEvent,
     TriggerRepository,
     WorkerSessionRegistry,
     WorkflowRepository,
@@ -72,10 +76,6 @@ from domain.model import (
     Attempt,
     AttemptStatus,
     DispatchLease,
-    Run,
-    RunStatus,
-    StopReport,
-    WorkerSession,
 )
 from domain.transitions import Change
 from domain.triggers import Trigger
@@ -90,26 +90,9 @@ SCHEMA_VERSION = 1
 MEMORY = ":memory:"
 BEGIN_OPTION = "ql3_sqlite_begin"
 
-T = TypeVar("T")
-
 
 class SchemaMismatch(RuntimeError):
     """The database file was made by another schema version (or is not a QL3 database)."""
-
-
-def check_page_limit(limit: int, name: str = "limit") -> None:
-    """Page sizes are 1..HARD_PAGE_CAP; anything else is a caller's bug."""
-    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= HARD_PAGE_CAP:
-        raise ValueError(f"{name} must be an integer within 1..{HARD_PAGE_CAP}, got {limit!r}")
-
-
-@contextmanager
-def _conflicts_translated(what: str) -> Iterator[None]:
-    """Unique, check, not-null and foreign-key violations are concurrency conflicts."""
-    try:
-        yield
-    except IntegrityError as error:
-        raise ConcurrencyConflict(f"{what}: {error.orig}") from error
 
 
 def _install_hooks(engine: Engine, *, busy_timeout_ms: int, synchronous: str, wal: bool) -> None:
@@ -136,7 +119,7 @@ def _install_hooks(engine: Engine, *, busy_timeout_ms: int, synchronous: str, wa
 # --- unit of work ------------------------------------------------------------------------------
 
 
-class SqliteUnitOfWork:
+class SqliteUnitOfWork(ConnectionTransaction):
     """One connection, one ``BEGIN IMMEDIATE`` transaction. Rolls back unless committed."""
 
     def __init__(self, store: SqliteStore) -> None:
@@ -146,7 +129,7 @@ class SqliteUnitOfWork:
         self._admitted = False
         self.runs: RunRepository = SqliteRunRepository(self)
         self.sessions: WorkerSessionRegistry = SqliteSessionRegistry(self)
-        self.evidence: EvidenceRepository = SqliteEvidenceRepository(self)
+        self.evidence: EvidenceRepository = SqlEvidenceRepository(self)
         self.triggers: TriggerRepository = SqliteTriggerRepository(self)
         self.workflows: WorkflowRepository = SqlWorkflowRepository(self)
         # Under the transaction's database lock, as every read here.
@@ -183,12 +166,6 @@ class SqliteUnitOfWork:
             if release is not None:
                 release()
 
-    @property
-    def connection(self) -> Connection:
-        if self._connection is None:
-            raise RuntimeError("use the unit of work inside its `with` block")
-        return self._connection
-
     def now_ms(self) -> int:
         if self._connection is None:
             raise RuntimeError("use the unit of work inside its `with` block")
@@ -205,52 +182,15 @@ class SqliteUnitOfWork:
         the executing process."""
         self._admitted = True
 
-    def execute(self, statement: Executable) -> Any:
-        return self.connection.execute(statement)
-
-    def write(self, statement: Executable, what: str) -> int:
-        """Execute a write and return how many rows it touched; violations are conflicts."""
-        with _conflicts_translated(what):
-            result = self.connection.execute(statement)
-        return int(getattr(result, "rowcount", 0))
-
-    def compare_and_set(self, statement: Executable, what: str) -> None:
-        if self.write(statement, what) != 1:
-            raise ConcurrencyConflict(f"{what} changed since it was read")
-
-    def atomically(self, body: Callable[[], T]) -> T:
-        """Run a multi-statement write under a savepoint: all of it or none of it."""
-        savepoint = self.connection.begin_nested()
-        try:
-            result = body()
-        except BaseException:
-            if savepoint.is_active:
-                savepoint.rollback()
-            raise
-        savepoint.commit()
-        return result
-
 
 # --- repositories ------------------------------------------------------------------------------
 
 
-class SqliteRunRepository:
-    def __init__(self, uow: SqliteUnitOfWork) -> None:
-        self._uow = uow
+class SqliteRunRepository(SqlRunRepository[SqliteUnitOfWork]):
+    queries = queries
 
     def add(self, change: Change) -> None:
-        def insert_all() -> None:
-            self._uow.write(queries.insert_run(change.run), f"run {change.run.id}")
-            for attempt in change.attempts:
-                self._uow.write(queries.insert_attempt(attempt), f"attempt {attempt.id}")
-            if change.lease is not None:
-                lease = change.lease
-                self._uow.write(
-                    queries.insert_lease(lease), f"lease {lease.run_id}/{lease.generation}"
-                )
-            self._uow.write(queries.insert_event(change.event), f"event of run {change.run.id}")
-
-        self._uow.atomically(insert_all)
+        super().add(change)
         self._uow.note_admission()
 
     def lock_attempt(self, attempt_id: str, *, skip_locked: bool = False) -> Snapshot | None:
@@ -273,7 +213,7 @@ class SqliteRunRepository:
             self.apply(before, change)
 
     def lock_run(self, run_id: str) -> Snapshot | None:
-        found = self._uow.execute(queries.latest_attempt_of(run_id)).first()
+        found = self._uow.execute(statements.latest_attempt_of(run_id)).first()
         if found is None:
             return None
         attempt_id = found[1]
@@ -297,23 +237,25 @@ class SqliteRunRepository:
     def _apply(self, before: Snapshot, change: Change) -> None:
         uow = self._uow
         if change.run != before.run:
-            uow.compare_and_set(queries.update_run(before.run, change.run), f"run {before.run.id}")
+            uow.compare_and_set(
+                statements.update_run(before.run, change.run), f"run {before.run.id}"
+            )
         for attempt in change.attempts:
             what = f"attempt {attempt.id}"
             if before.attempt is not None and attempt.id == before.attempt.id:
-                uow.compare_and_set(queries.update_attempt(before.attempt, attempt), what)
+                uow.compare_and_set(statements.update_attempt(before.attempt, attempt), what)
             else:
-                uow.write(queries.insert_attempt(attempt), what)
+                uow.write(statements.insert_attempt(attempt), what)
         lease = change.lease
         if lease is not None:
             what = f"lease {lease.run_id}/{lease.generation}"
             old = before.lease
             if old is not None and (old.run_id, old.generation) == (lease.run_id, lease.generation):
                 if lease != old:
-                    uow.compare_and_set(queries.update_lease(old, lease), what)
+                    uow.compare_and_set(statements.update_lease(old, lease), what)
             else:
-                uow.write(queries.insert_lease(lease), what)
-        uow.write(queries.insert_event(change.event), f"event of run {change.run.id}")
+                uow.write(statements.insert_lease(lease), what)
+        uow.write(statements.insert_event(change.event), f"event of run {change.run.id}")
 
     def renew_lease(self, before: DispatchLease, after: DispatchLease) -> None:
         if (after.run_id, after.generation) != (before.run_id, before.generation):
@@ -323,63 +265,9 @@ class SqliteRunRepository:
         if self._uow.write(statement, what) != 1:
             raise ConcurrencyConflict(f"{what} is no longer the live lease presented")
 
-    def get_run(self, run_id: str) -> Run | None:
-        row = self._uow.execute(queries.get_run(run_id)).mappings().first()
-        return rows.run_from_row(row) if row is not None else None
 
-    def get_attempt(self, attempt_id: str) -> Attempt | None:
-        row = self._uow.execute(queries.get_attempt(attempt_id)).mappings().first()
-        return rows.attempt_from_row(row) if row is not None else None
-
-    def attempts_of(self, run_id: str) -> Sequence[Attempt]:
-        result = self._uow.execute(queries.attempts_of(run_id)).mappings()
-        return tuple(rows.attempt_from_row(row) for row in result)
-
-    def leases_of(self, run_id: str) -> Sequence[DispatchLease]:
-        result = self._uow.execute(queries.leases_of(run_id)).mappings()
-        return tuple(rows.lease_from_row(row) for row in result)
-
-    def events_of(self, run_id: str) -> Sequence[StoredEvent]:
-        result = self._uow.execute(queries.events_of(run_id)).mappings()
-        return tuple(
-            StoredEvent(sequence=int(row["id"]), event=rows.event_from_row(row)) for row in result
-        )
-
-    def list_runs(self, status: RunStatus | None, limit: int) -> Sequence[Run]:
-        if limit < 1:
-            raise ValueError(f"limit must be >= 1, got {limit}")
-        result = self._uow.execute(queries.list_runs(status, limit)).mappings()
-        return tuple(rows.run_from_row(row) for row in result)
-
-
-class SqliteSessionRegistry:
-    def __init__(self, uow: SqliteUnitOfWork) -> None:
-        self._uow = uow
-
-    def get(self, session_id: str) -> WorkerSession | None:
-        row = self._uow.execute(queries.get_session(session_id)).mappings().first()
-        return rows.session_from_row(row) if row is not None else None
-
-    def open_sessions_of(self, worker_id: str) -> Sequence[WorkerSession]:
-        result = self._uow.execute(queries.open_sessions_of(worker_id)).mappings()
-        return tuple(rows.session_from_row(row) for row in result)
-
-    def add(self, session: WorkerSession) -> None:
-        statement = queries.insert_session(session)
-        self._uow.atomically(lambda: self._uow.write(statement, f"session {session.id}"))
-
-    def update(self, before: WorkerSession, after: WorkerSession) -> None:
-        if after.id != before.id:
-            raise ValueError("a session update must name the same session before and after")
-        statement = queries.update_session(before, after)
-        self._uow.atomically(lambda: self._uow.compare_and_set(statement, f"session {before.id}"))
-
-    def offers_of(self, session_id: str) -> Sequence[tuple[Attempt, DispatchLease]]:
-        result = self._uow.execute(queries.offers_of(session_id)).mappings()
-        return tuple(
-            (rows.attempt_from_row(row, ATTEMPT_COLUMNS), rows.lease_from_row(row, LEASE_COLUMNS))
-            for row in result
-        )
+class SqliteSessionRegistry(SqlSessionRegistry[SqliteUnitOfWork]):
+    queries = queries
 
 
 class SqliteTriggerRepository(SqlTriggerRepository):
@@ -397,18 +285,6 @@ class SqliteTriggerRepository(SqlTriggerRepository):
     def update(self, before: Trigger, after: Trigger) -> None:
         super().update(before, after)
         self._uow.note_admission()
-
-
-class SqliteEvidenceRepository:
-    def __init__(self, uow: SqliteUnitOfWork) -> None:
-        self._uow = uow
-
-    def record(self, report: StopReport) -> None:
-        self._uow.write(queries.insert_report(report), f"stop report of {report.attempt_id}")
-
-    def reports_for(self, attempt_id: str) -> Sequence[StopReport]:
-        result = self._uow.execute(queries.reports_for(attempt_id)).mappings()
-        return tuple(rows.report_from_row(row) for row in result)
 
 
 # --- the store ---------------------------------------------------------------------------------

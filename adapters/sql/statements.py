@@ -1,0 +1,400 @@
+"""The statements both SQL stores share, as SQLAlchemy Core constructs on the shared tables.
+
+Inserts, compare-and-set updates and key lookups are the same on every dialect. Where the two
+stores' statements differ only in how they spell a status constant or order text ids, the
+builders take a :class:`Spelling`: PostgreSQL renders status constants inline (so that its
+partial indexes match generic plans) and orders ids by the ``C`` collation; SQLite binds them
+and orders ids by its default (binary) collation. What really differs per dialect (clocks,
+locks, page queries of another shape) stays in each store's own ``queries`` module, which
+applies its spelling to the builders here that take one.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+from typing import Any
+
+from attrs import frozen
+from sqlalchemy import (
+    ColumnElement,
+    Insert,
+    Select,
+    Text,
+    Update,
+    and_,
+    exists,
+    false,
+    func,
+    insert,
+    literal_column,
+    not_,
+    or_,
+    select,
+    update,
+)
+from sqlalchemy.sql.base import ReadOnlyColumnCollection
+
+from adapters.sql import rows
+from adapters.sql.schema import (
+    attempt_stop_reports,
+    run_attempts,
+    run_dispatch_leases,
+    run_events,
+    runs,
+    worker_sessions,
+)
+from domain.events import RunEvent
+from domain.model import (
+    Attempt,
+    AttemptStatus,
+    DispatchLease,
+    LeaseStatus,
+    Run,
+    RunOwner,
+    RunStatus,
+    SessionStatus,
+    StopReport,
+    WorkerSession,
+)
+
+RUN_COLUMNS = "r_"
+ATTEMPT_COLUMNS = "a_"
+LEASE_COLUMNS = "l_"
+
+ACTIVE_ATTEMPT_STATUSES = (AttemptStatus.CLAIMED, AttemptStatus.STARTING, AttemptStatus.RUNNING)
+RECOVERABLE_RUN_STATUSES = (RunStatus.DISPATCHING, RunStatus.RUNNING, RunStatus.LOST)
+OPEN_SESSION_STATUSES = (SessionStatus.ACTIVE, SessionStatus.DRAINING)
+GONE_SESSION_STATUSES = (SessionStatus.CLOSED, SessionStatus.REPLACED)
+
+
+def const(value: str) -> ColumnElement[str]:
+    """A constant from a domain enum, rendered inline as a SQL string literal."""
+    if "'" in value:
+        raise ValueError(f"not a plain constant: {value!r}")
+    return literal_column(f"'{value}'", Text())
+
+
+@frozen(kw_only=True)
+class Spelling:
+    """How one store writes what the dialects spell differently.
+
+    ``inline_constants``: status constants as SQL literals (else bound parameters).
+    ``id_collation``: the collation text ids are ordered by (None: the column's own)."""
+
+    inline_constants: bool
+    id_collation: str | None
+
+    def constant(self, status: enum.Enum) -> ColumnElement[str] | str:
+        value = str(status.value)
+        return const(value) if self.inline_constants else value
+
+    def is_(self, column: ColumnElement[str], status: enum.Enum) -> ColumnElement[bool]:
+        return column == self.constant(status)
+
+    def one_of(
+        self, column: ColumnElement[str], statuses: Iterable[enum.Enum]
+    ) -> ColumnElement[bool]:
+        return column.in_([self.constant(status) for status in statuses])
+
+    def by_id(self, column: ColumnElement[str]) -> ColumnElement[str]:
+        """``column`` as text ids are ordered."""
+        return column if self.id_collation is None else column.collate(self.id_collation)
+
+
+# --- column lists ------------------------------------------------------------------------------
+
+
+def labelled(
+    table_columns: Iterable[ColumnElement[object]], prefix: str
+) -> list[ColumnElement[object]]:
+    return [column.label(f"{prefix}{column.key}") for column in table_columns]
+
+
+def run_columns() -> list[ColumnElement[object]]:
+    return labelled(runs.c, RUN_COLUMNS)
+
+
+def attempt_columns() -> list[ColumnElement[object]]:
+    return labelled(run_attempts.c, ATTEMPT_COLUMNS)
+
+
+def lease_columns() -> list[ColumnElement[object]]:
+    return labelled(run_dispatch_leases.c, LEASE_COLUMNS)
+
+
+def pristine(
+    a: ReadOnlyColumnCollection[str, ColumnElement[Any]], spelling: Spelling
+) -> ColumnElement[bool]:
+    """Mirror of :attr:`domain.model.Attempt.is_pristine` on columns of ``run_attempts``."""
+    return and_(
+        spelling.is_(a.status, AttemptStatus.CLAIMED),
+        a.session_id.is_(None),
+        a.worker_id.is_(None),
+        a.lease_generation.is_(None),
+        a.offered_at.is_(None),
+        a.accepted_at.is_(None),
+        a.started_at.is_(None),
+    )
+
+
+def latest_attempt_id() -> ColumnElement[str]:
+    """The id of the Run's highest-number Attempt (correlated to ``runs``)."""
+    a = run_attempts.c
+    return (
+        select(a.id)
+        .where(a.run_id == runs.c.id)
+        .order_by(a.number.desc())
+        .limit(1)
+        .correlate(runs)
+        .scalar_subquery()
+    )
+
+
+def latest_attempt_of(run_id: str) -> Select:
+    """The Run's id (so that a missing Run is told apart) and its highest-number Attempt id."""
+    return select(runs.c.id, latest_attempt_id().label("attempt_id")).where(runs.c.id == run_id)
+
+
+# --- writes: inserts ---------------------------------------------------------------------------
+
+
+def insert_run(run: Run) -> Insert:
+    return insert(runs).values(rows.run_values(run))
+
+
+def insert_attempt(attempt: Attempt) -> Insert:
+    return insert(run_attempts).values(rows.attempt_values(attempt))
+
+
+def insert_lease(lease: DispatchLease) -> Insert:
+    return insert(run_dispatch_leases).values(rows.lease_values(lease))
+
+
+def insert_event(event: RunEvent) -> Insert:
+    return insert(run_events).values(rows.event_values(event))
+
+
+def insert_session(session: WorkerSession) -> Insert:
+    return insert(worker_sessions).values(rows.session_values(session))
+
+
+def insert_report(report: StopReport) -> Insert:
+    return insert(attempt_stop_reports).values(rows.report_values(report))
+
+
+# --- writes: compare-and-set updates -----------------------------------------------------------
+
+
+def _without(values: rows.Values, *keys: str) -> rows.Values:
+    return {name: value for name, value in values.items() if name not in keys}
+
+
+def update_run(before: Run, after: Run) -> Update:
+    """Fenced on the status and attempt count the transaction read."""
+    return (
+        update(runs)
+        .where(
+            runs.c.id == before.id,
+            runs.c.status == before.status.value,
+            runs.c.attempt_count == before.attempt_count,
+        )
+        .values(_without(rows.run_values(after), "id"))
+    )
+
+
+def update_attempt(before: Attempt, after: Attempt) -> Update:
+    """Fenced on the status and lease version the transaction read."""
+    a = run_attempts.c
+    return (
+        update(run_attempts)
+        .where(
+            a.id == before.id,
+            a.status == before.status.value,
+            a.lease_version.is_not_distinct_from(before.lease_version),
+        )
+        .values(_without(rows.attempt_values(after), "id"))
+    )
+
+
+def update_lease(before: DispatchLease, after: DispatchLease) -> Update:
+    """Fenced on version, status and token hash of the lease the transaction read."""
+    l = run_dispatch_leases.c  # noqa: E741
+    return (
+        update(run_dispatch_leases)
+        .where(
+            l.run_id == before.run_id,
+            l.generation == before.generation,
+            l.version == before.version,
+            l.status == before.status.value,
+            l.token_hash.is_not_distinct_from(before.token_hash),
+        )
+        .values(_without(rows.lease_values(after), "run_id", "generation"))
+    )
+
+
+def renew_lease(
+    before: DispatchLease, after: DispatchLease, now: ColumnElement[int] | int, spelling: Spelling
+) -> Update:
+    """Moves only ``expires_at``, while the presented lease is still leased, unchanged and
+    unexpired by the store's clock ``now``."""
+    l = run_dispatch_leases.c  # noqa: E741
+    token_matches = l.token_hash == before.token_hash if before.token_hash is not None else false()
+    return (
+        update(run_dispatch_leases)
+        .where(
+            l.run_id == before.run_id,
+            l.generation == before.generation,
+            l.version == before.version,
+            spelling.is_(l.status, LeaseStatus.LEASED),
+            l.status == before.status.value,
+            token_matches,
+            l.expires_at > now,
+        )
+        .values(expires_at=after.expires_at_ms)
+    )
+
+
+def update_session(before: WorkerSession, after: WorkerSession) -> Update:
+    """Fenced on the status the transaction read."""
+    s = worker_sessions.c
+    return (
+        update(worker_sessions)
+        .where(s.id == before.id, s.status == before.status.value)
+        .values(_without(rows.session_values(after), "id"))
+    )
+
+
+# --- reads -------------------------------------------------------------------------------------
+
+
+def get_run(run_id: str) -> Select:
+    return select(runs).where(runs.c.id == run_id)
+
+
+def get_attempt(attempt_id: str) -> Select:
+    return select(run_attempts).where(run_attempts.c.id == attempt_id)
+
+
+def attempts_of(run_id: str) -> Select:
+    a = run_attempts.c
+    return select(run_attempts).where(a.run_id == run_id).order_by(a.number)
+
+
+def leases_of(run_id: str) -> Select:
+    l = run_dispatch_leases.c  # noqa: E741
+    return select(run_dispatch_leases).where(l.run_id == run_id).order_by(l.generation)
+
+
+def events_of(run_id: str) -> Select:
+    e = run_events.c
+    return select(run_events).where(e.run_id == run_id).order_by(e.id)
+
+
+def list_runs(status: RunStatus | None, limit: int, spelling: Spelling) -> Select:
+    """Runs (of one status, if given), oldest first."""
+    statement = select(runs)
+    if status is not None:
+        statement = statement.where(runs.c.status == status.value)
+    return statement.order_by(runs.c.created_at, spelling.by_id(runs.c.id)).limit(limit)
+
+
+def get_session(session_id: str) -> Select:
+    return select(worker_sessions).where(worker_sessions.c.id == session_id)
+
+
+def open_sessions_of(worker_id: str, spelling: Spelling) -> Select:
+    """The worker id's active and draining sessions, by id (no row locks)."""
+    s = worker_sessions.c
+    return (
+        select(worker_sessions)
+        .where(s.worker_id == worker_id, spelling.one_of(s.status, OPEN_SESSION_STATUSES))
+        .order_by(spelling.by_id(s.id))
+    )
+
+
+def offers_of(session_id: str, spelling: Spelling) -> Select:
+    """The session's leased offers not yet accepted, Attempt and lease side by side."""
+    a = run_attempts.c
+    l = run_dispatch_leases.c  # noqa: E741
+    return (
+        select(*attempt_columns(), *lease_columns())
+        .select_from(run_dispatch_leases.join(run_attempts, a.id == l.attempt_id))
+        .where(
+            spelling.is_(l.status, LeaseStatus.LEASED),
+            l.holder_session_id == session_id,
+            l.token_hash.is_(None),
+            spelling.is_(a.status, AttemptStatus.CLAIMED),
+        )
+        .order_by(l.granted_at, spelling.by_id(a.id))
+    )
+
+
+def reports_for(attempt_id: str) -> Select:
+    r = attempt_stop_reports.c
+    return (
+        select(attempt_stop_reports).where(r.attempt_id == attempt_id).order_by(r.reported_at, r.id)
+    )
+
+
+# --- candidate pages: what both dialects select ------------------------------------------------
+#
+# Every page query reads ``limit + 1`` rows to learn ``has_more``.
+
+
+def recovery_page(limit: int, now: ColumnElement[int] | int, spelling: Spelling) -> Select:
+    """Runtime-owned, non-pristine claimed|starting|running Attempts of dispatching|running|lost
+    Runs whose own lease is missing, released or expired by ``now``; resolvable ones first."""
+    a = run_attempts.c
+    r = runs.c
+    l = run_dispatch_leases.c  # noqa: E741
+    stop_reported = exists().where(attempt_stop_reports.c.attempt_id == a.id)
+    session_gone = exists().where(
+        worker_sessions.c.id == a.session_id,
+        spelling.one_of(worker_sessions.c.status, GONE_SESSION_STATUSES),
+    )
+    resolvable = or_(spelling.is_(a.status, AttemptStatus.CLAIMED), stop_reported, session_gone)
+    own_lease = and_(l.run_id == a.run_id, l.generation == a.lease_generation, l.attempt_id == a.id)
+    return (
+        select(
+            a.run_id.label("run_id"),
+            a.id.label("attempt_id"),
+            a.status.label("attempt_status"),
+            l.expires_at.label("lease_expires_at"),
+            resolvable.label("resolvable"),
+        )
+        .select_from(
+            run_attempts.join(runs, r.id == a.run_id).outerjoin(run_dispatch_leases, own_lease)
+        )
+        .where(
+            spelling.one_of(a.status, ACTIVE_ATTEMPT_STATUSES),
+            not_(pristine(a, spelling)),
+            spelling.is_(r.owner, RunOwner.RUNTIME),
+            spelling.one_of(r.status, RECOVERABLE_RUN_STATUSES),
+            or_(
+                l.run_id.is_(None),
+                spelling.is_(l.status, LeaseStatus.RELEASED),
+                l.expires_at <= now,
+            ),
+        )
+        .order_by(resolvable.desc(), l.expires_at.asc().nulls_first(), spelling.by_id(a.id))
+        .limit(limit + 1)
+    )
+
+
+def sessions_heard_since(oldest_heartbeat: ColumnElement[int] | int, spelling: Spelling) -> Select:
+    """Active sessions heard from after ``oldest_heartbeat``, with the number of leased leases
+    each holds, by id."""
+    s = worker_sessions.c
+    l = run_dispatch_leases.c  # noqa: E741
+    in_flight = (
+        select(func.count())
+        .where(l.holder_session_id == s.id, spelling.is_(l.status, LeaseStatus.LEASED))
+        .correlate(worker_sessions)
+        .scalar_subquery()
+    )
+    return (
+        select(worker_sessions, in_flight.label("in_flight"))
+        .where(spelling.is_(s.status, SessionStatus.ACTIVE), s.last_heartbeat_at > oldest_heartbeat)
+        .order_by(spelling.by_id(s.id))
+    )
