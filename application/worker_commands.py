@@ -6,16 +6,28 @@ changes nothing."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import enum
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from application.ports import Identities, Snapshot, UnitOfWork, UnitOfWorkFactory
-from domain.errors import FenceReason, FenceRejected, InvalidAdmission, SessionRejected
-from domain.fence import LeaseFence, check_holder, hash_token, secrets_match
+from domain.errors import (
+    ConcurrencyConflict,
+    DomainError,
+    FenceReason,
+    FenceRejected,
+    InvalidAdmission,
+    InvalidTransition,
+    SessionRejected,
+)
+from domain.fence import LeaseFence, check_fence, check_holder, hash_token, secrets_match
 from domain.model import (
+    AttemptStatus,
     DispatchLease,
     EvidenceKind,
     JsonValue,
+    LeaseStatus,
+    ReleaseReason,
     SessionStatus,
     WorkerSession,
 )
@@ -25,6 +37,8 @@ from domain.transitions import Change, abandon, accept, activate, complete, mark
 
 MIN_TOKEN_LENGTH = 22  # 22 URL-safe base64 characters carry 132 bits
 MAX_TOKEN_LENGTH = 256
+MAX_BATCH_ITEMS = 256
+MAX_DETAIL_LENGTH = 500
 
 _OPEN = frozenset({SessionStatus.ACTIVE, SessionStatus.DRAINING})
 
@@ -46,6 +60,7 @@ class SessionGrant:
     session_id: str
     secret: str
     replaced_session_ids: tuple[str, ...]
+    registered_at_ms: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +84,129 @@ class AbandonOutcome:
     already expired and the report was kept as not-running evidence for recovery."""
 
     outcome: str
+
+
+@dataclass(frozen=True, slots=True)
+class PollAnswer:
+    """A heartbeat's answer: the session's status, its open offers and the store's clock."""
+
+    now_ms: int
+    status: SessionStatus
+    offers: tuple[Offer, ...]
+
+
+class BatchOutcome(enum.Enum):
+    """What one item of a batch achieved."""
+
+    ACCEPTED = "accepted"
+    RUNNING = "running"
+    STARTING = "starting"  # activated; the report that it runs did not persist
+    RENEWED = "renewed"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    ALREADY_COMPLETED = "already_completed"  # a repeated completion: nothing changed
+    LOST = "lost"
+    RECORDED = "recorded"
+
+
+class Rejection(enum.Enum):
+    """Why one item of a batch changed nothing."""
+
+    FENCE = "fence_rejected"
+    STATE = "invalid_state"
+    SESSION = "session_rejected"
+    CONFLICT = "conflict"
+    UNKNOWN_ATTEMPT = "unknown_attempt"
+    INVALID = "invalid"
+
+
+@dataclass(frozen=True, slots=True)
+class ItemResult:
+    """The answer for one item of a batch: an outcome, or a rejection that changed nothing.
+
+    ``expires_at_ms`` is the lease's expiry (store clock) after the item, while it is held."""
+
+    attempt_id: str
+    outcome: BatchOutcome | None = None
+    expires_at_ms: int | None = None
+    rejection: Rejection | None = None
+    reason: str | None = None
+    message: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.rejection is None
+
+
+@dataclass(frozen=True, slots=True)
+class BatchAnswer:
+    """Per-item results in the order of the request, and the store's clock when they were
+    decided (a worker sets its local deadlines from ``expires_at_ms - now_ms``)."""
+
+    now_ms: int
+    results: tuple[ItemResult, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    fence: LeaseFence
+    succeeded: bool
+    output: JsonValue = None
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Abandonment:
+    fence: LeaseFence
+    detail: str = ""
+
+
+class StartStage(enum.Enum):
+    """How far a start batch takes each offer."""
+
+    ACCEPTED = "accepted"  # bind the token only (prefetch)
+    ACTIVATED = "activated"  # cross the start barrier of an accepted offer, mark it running
+    STARTED = "started"  # accept, activate and mark running in one go
+
+
+def _rejected(attempt_id: str, error: Exception) -> ItemResult:
+    if isinstance(error, FenceRejected):
+        return ItemResult(
+            attempt_id=attempt_id,
+            rejection=Rejection.FENCE,
+            reason=error.reason.value,
+            message=str(error),
+        )
+    if isinstance(error, UnknownAttempt):
+        return ItemResult(
+            attempt_id=attempt_id,
+            rejection=Rejection.UNKNOWN_ATTEMPT,
+            message=f"unknown attempt {attempt_id}",
+        )
+    kinds: tuple[tuple[type[Exception], Rejection], ...] = (
+        (SessionRejected, Rejection.SESSION),
+        (InvalidTransition, Rejection.STATE),
+        (ConcurrencyConflict, Rejection.CONFLICT),
+        (InvalidAdmission, Rejection.INVALID),
+    )
+    kind = next((k for cls, k in kinds if isinstance(error, cls)), Rejection.STATE)
+    return ItemResult(attempt_id=attempt_id, rejection=kind, message=str(error))
+
+
+def _after(snapshot: Snapshot, change: Change) -> Snapshot:
+    """The snapshot as it is once ``change`` is applied (the locks are still held)."""
+    return Snapshot(
+        run=change.run,
+        attempt=change.attempts[0] if change.attempts else snapshot.attempt,
+        lease=change.lease if change.lease is not None else snapshot.lease,
+    )
+
+
+def _check_token(token: str) -> None:
+    if not MIN_TOKEN_LENGTH <= len(token) <= MAX_TOKEN_LENGTH:
+        raise InvalidAdmission(
+            f"lease token must be {MIN_TOKEN_LENGTH}..{MAX_TOKEN_LENGTH} characters"
+        )
 
 
 class WorkerCommands:
@@ -111,7 +249,10 @@ class WorkerCommands:
             uow.sessions.add(session)
             uow.commit()
         return SessionGrant(
-            session_id=session.id, secret=secret, replaced_session_ids=tuple(s.id for s in replaced)
+            session_id=session.id,
+            secret=secret,
+            replaced_session_ids=tuple(s.id for s in replaced),
+            registered_at_ms=session.registered_at_ms,
         )
 
     def heartbeat(self, session_id: str, secret: str) -> list[Offer]:
@@ -119,24 +260,7 @@ class WorkerCommands:
         with self._uow_factory() as uow:
             session = self._authenticate(uow, session_id, secret)
             uow.sessions.update(session, heartbeat(session, uow.now_ms()))
-            offers = []
-            for attempt, lease in uow.sessions.offers_of(session_id):
-                run = uow.runs.get_run(attempt.run_id)
-                if run is None:
-                    continue
-                offers.append(
-                    Offer(
-                        run_id=run.id,
-                        attempt_id=attempt.id,
-                        attempt_number=attempt.number,
-                        task=run.task,
-                        input=run.input,
-                        generation=lease.generation,
-                        version=lease.version,
-                        expires_at_ms=lease.expires_at_ms,
-                        idempotency_key=run.id,
-                    )
-                )
+            offers = self._offers_of(uow, session_id)
             uow.commit()
         return offers
 
@@ -270,33 +394,10 @@ class WorkerCommands:
             assert snapshot.attempt is not None
             lease = self._held(snapshot, session, fence)
             now_ms = uow.now_ms()
-            try:
-                change = abandon(
-                    run=snapshot.run,
-                    attempt=snapshot.attempt,
-                    lease=lease,
-                    fence=fence,
-                    detail=detail[:500],
-                    now_ms=now_ms,
-                )
-            except FenceRejected as rejected:
-                if rejected.reason is not FenceReason.EXPIRED:
-                    raise
-                check_holder(lease, fence)
-                report, audit = report_stopped(
-                    run=snapshot.run,
-                    attempt=snapshot.attempt,
-                    kind=EvidenceKind.WORKER_ABANDONED,
-                    detail=detail[:500],
-                    now_ms=now_ms,
-                )
-                uow.evidence.record(report)
-                uow.runs.apply(snapshot, audit)
-                uow.commit()
-                return AbandonOutcome(outcome="recorded")
+            change, recorded = self._abandonment(uow, snapshot, lease, fence, detail[:500], now_ms)
             uow.runs.apply(snapshot, change)
             uow.commit()
-            return AbandonOutcome(outcome="lost")
+            return AbandonOutcome(outcome="recorded" if recorded else "lost")
 
     def attest_stopped(self, attempt_id: str, reason: str) -> None:
         """An operator states that the Attempt no longer executes anywhere."""
@@ -315,6 +416,349 @@ class WorkerCommands:
             uow.evidence.record(report)
             uow.runs.apply(snapshot, audit)
             uow.commit()
+
+    # --- batches ------------------------------------------------------------------------------
+    #
+    # One transaction per batch. The session is authenticated once; a session that fails
+    # authentication fails the whole batch. Then every Attempt is locked (advisory lock, then
+    # rows) in attempt id order, so concurrent batches cannot deadlock, the store's clock is
+    # observed once with all locks held, and each item is decided by the same domain
+    # transitions as the single commands. An item that is refused changes nothing and does not
+    # affect the others.
+
+    def poll(self, session_id: str, secret: str) -> PollAnswer:
+        """A heartbeat that also tells the session's status and the store's clock."""
+        with self._uow_factory() as uow:
+            session = self._authenticate(uow, session_id, secret)
+            now_ms = uow.now_ms()
+            updated = heartbeat(session, now_ms)
+            uow.sessions.update(session, updated)
+            offers = tuple(self._offers_of(uow, session_id))
+            uow.commit()
+        return PollAnswer(now_ms=now_ms, status=updated.status, offers=offers)
+
+    def start_many(
+        self,
+        session_id: str,
+        secret: str,
+        fences: Sequence[LeaseFence],
+        stage: StartStage = StartStage.STARTED,
+    ) -> BatchAnswer:
+        """Take offers as far as ``stage``: accept binds each fence's token to its lease;
+        activation crosses the start barrier and marks the Attempt running. Repeating an item
+        that already got that far (same token) answers as before and changes nothing."""
+        for fence in fences:
+            _check_token(fence.token)
+
+        def item(
+            uow: UnitOfWork,
+            session: WorkerSession,
+            snapshot: Snapshot,
+            index: int,
+            now_ms: int,
+            writes: list[tuple[Snapshot, Change]],
+        ) -> ItemResult:
+            return self._start_one(session, snapshot, fences[index], stage, now_ms, writes)
+
+        return self._batch(session_id, secret, [f.attempt_id for f in fences], item)
+
+    def renew_many(self, session_id: str, secret: str, fences: Sequence[LeaseFence]) -> BatchAnswer:
+        """Extend each lease; no version change, no event."""
+
+        def item(
+            uow: UnitOfWork,
+            session: WorkerSession,
+            snapshot: Snapshot,
+            index: int,
+            now_ms: int,
+            writes: list[tuple[Snapshot, Change]],
+        ) -> ItemResult:
+            fence = fences[index]
+            assert snapshot.attempt is not None
+            lease = self._held(snapshot, session, fence)
+            renewed = renew(
+                attempt=snapshot.attempt,
+                lease=lease,
+                fence=fence,
+                ttl_ms=self._lease_ttl_ms,
+                now_ms=now_ms,
+            )
+            uow.runs.renew_lease(check_holder(lease, fence), renewed)
+            return ItemResult(
+                attempt_id=fence.attempt_id,
+                outcome=BatchOutcome.RENEWED,
+                expires_at_ms=renewed.expires_at_ms,
+            )
+
+        return self._batch(session_id, secret, [f.attempt_id for f in fences], item)
+
+    def complete_many(
+        self, session_id: str, secret: str, completions: Sequence[Completion]
+    ) -> BatchAnswer:
+        """Report outcomes; each lease is released with reason ``completed``. Repeating a
+        completion that was already recorded with the same fence answers
+        ``already_completed`` and changes nothing."""
+
+        def item(
+            uow: UnitOfWork,
+            session: WorkerSession,
+            snapshot: Snapshot,
+            index: int,
+            now_ms: int,
+            writes: list[tuple[Snapshot, Change]],
+        ) -> ItemResult:
+            done = completions[index]
+            fence = done.fence
+            assert snapshot.attempt is not None
+            lease = self._held(snapshot, session, fence)
+            try:
+                change = complete(
+                    run=snapshot.run,
+                    attempt=snapshot.attempt,
+                    lease=lease,
+                    fence=fence,
+                    succeeded=done.succeeded,
+                    output=done.output,
+                    error=done.error,
+                    now_ms=now_ms,
+                )
+            except FenceRejected:
+                if self._already_completed(snapshot, fence, done.succeeded):
+                    return ItemResult(
+                        attempt_id=fence.attempt_id, outcome=BatchOutcome.ALREADY_COMPLETED
+                    )
+                raise
+            writes.append((snapshot, change))
+            outcome = BatchOutcome.SUCCEEDED if done.succeeded else BatchOutcome.FAILED
+            return ItemResult(attempt_id=fence.attempt_id, outcome=outcome)
+
+        return self._batch(session_id, secret, [c.fence.attempt_id for c in completions], item)
+
+    def abandon_many(
+        self, session_id: str, secret: str, abandonments: Sequence[Abandonment]
+    ) -> BatchAnswer:
+        """The worker stopped executing these Attempts (also allowed once its session is no
+        longer open). A live lease is released at once (``lost``); an expired one keeps the
+        report as not-running evidence for recovery (``recorded``)."""
+
+        def item(
+            uow: UnitOfWork,
+            session: WorkerSession,
+            snapshot: Snapshot,
+            index: int,
+            now_ms: int,
+            writes: list[tuple[Snapshot, Change]],
+        ) -> ItemResult:
+            gone = abandonments[index]
+            fence = gone.fence
+            assert snapshot.attempt is not None
+            lease = self._held(snapshot, session, fence)
+            detail = gone.detail[:MAX_DETAIL_LENGTH]
+            change, recorded = self._abandonment(uow, snapshot, lease, fence, detail, now_ms)
+            writes.append((snapshot, change))
+            outcome = BatchOutcome.RECORDED if recorded else BatchOutcome.LOST
+            return ItemResult(attempt_id=fence.attempt_id, outcome=outcome)
+
+        return self._batch(
+            session_id,
+            secret,
+            [a.fence.attempt_id for a in abandonments],
+            item,
+            allow_closed=True,
+        )
+
+    def _start_one(
+        self,
+        session: WorkerSession,
+        snapshot: Snapshot,
+        fence: LeaseFence,
+        stage: StartStage,
+        now_ms: int,
+        writes: list[tuple[Snapshot, Change]],
+    ) -> ItemResult:
+        """Decide every step first (pure), then persist them in order."""
+        self._held(snapshot, session, fence)
+        changes: list[tuple[Snapshot, Change]] = []
+        current = snapshot
+        lease = current.lease
+        if stage is not StartStage.ACTIVATED and lease is not None and lease.token_hash is None:
+            assert current.attempt is not None
+            change = accept(
+                run=current.run,
+                attempt=current.attempt,
+                lease=lease,
+                session_id=session.id,
+                generation=fence.generation,
+                version=fence.version,
+                token_hash=hash_token(fence.token),
+                ttl_ms=self._lease_ttl_ms,
+                now_ms=now_ms,
+            )
+            changes.append((current, change))
+            current = _after(current, change)
+        # From here on the token is bound: every step checks the whole fence.
+        live = check_fence(current.lease, fence, now_ms)
+        assert current.attempt is not None
+        if stage is StartStage.ACCEPTED:
+            if current.attempt.status is not AttemptStatus.CLAIMED:
+                raise InvalidTransition(
+                    "attempt", fence.attempt_id, current.attempt.status.value, "be accepted"
+                )
+        else:
+            if current.attempt.status is AttemptStatus.CLAIMED:
+                change = activate(
+                    run=current.run,
+                    attempt=current.attempt,
+                    lease=current.lease,
+                    fence=fence,
+                    ttl_ms=self._lease_ttl_ms,
+                    now_ms=now_ms,
+                )
+                changes.append((current, change))
+                current = _after(current, change)
+            assert current.attempt is not None
+            if current.attempt.status is AttemptStatus.STARTING:
+                change = mark_running(
+                    run=current.run,
+                    attempt=current.attempt,
+                    lease=current.lease,
+                    fence=fence,
+                    now_ms=now_ms,
+                )
+                changes.append((current, change))
+                current = _after(current, change)
+            assert current.attempt is not None
+            if current.attempt.status is not AttemptStatus.RUNNING:
+                raise InvalidTransition(
+                    "attempt", fence.attempt_id, current.attempt.status.value, "be started"
+                )
+        # Persisted with the rest of the batch, all together.
+        writes.extend(changes)
+        lease = current.lease if current.lease is not None else live
+        outcome = BatchOutcome.ACCEPTED if stage is StartStage.ACCEPTED else BatchOutcome.RUNNING
+        return ItemResult(
+            attempt_id=fence.attempt_id, outcome=outcome, expires_at_ms=lease.expires_at_ms
+        )
+
+    @staticmethod
+    def _abandonment(
+        uow: UnitOfWork,
+        snapshot: Snapshot,
+        lease: DispatchLease | None,
+        fence: LeaseFence,
+        detail: str,
+        now_ms: int,
+    ) -> tuple[Change, bool]:
+        """What a worker's abandon report changes, and whether the report was only recorded:
+        with a live lease the Attempt is lost at once; once the lease expired the report is
+        recorded as not-running evidence and the change is its audit event."""
+        assert snapshot.attempt is not None
+        try:
+            change = abandon(
+                run=snapshot.run,
+                attempt=snapshot.attempt,
+                lease=lease,
+                fence=fence,
+                detail=detail,
+                now_ms=now_ms,
+            )
+        except FenceRejected as rejected:
+            if rejected.reason is not FenceReason.EXPIRED:
+                raise
+            check_holder(lease, fence)
+            report, audit = report_stopped(
+                run=snapshot.run,
+                attempt=snapshot.attempt,
+                kind=EvidenceKind.WORKER_ABANDONED,
+                detail=detail,
+                now_ms=now_ms,
+            )
+            uow.evidence.record(report)
+            return audit, True
+        return change, False
+
+    @staticmethod
+    def _already_completed(snapshot: Snapshot, fence: LeaseFence, succeeded: bool) -> bool:
+        """The fence's own completion was recorded: its exact lease was released for
+        ``completed`` by that one version step and the Attempt ended as reported."""
+        lease, attempt = snapshot.lease, snapshot.attempt
+        if lease is None or attempt is None:
+            return False
+        try:
+            check_holder(lease, fence)
+        except FenceRejected:
+            return False
+        expected = AttemptStatus.SUCCEEDED if succeeded else AttemptStatus.FAILED
+        return (
+            lease.status is LeaseStatus.RELEASED
+            and lease.release_reason is ReleaseReason.COMPLETED
+            and lease.version == fence.version + 1
+            and attempt.lease_generation == fence.generation
+            and attempt.status is expected
+        )
+
+    def _batch(
+        self,
+        session_id: str,
+        secret: str,
+        attempt_ids: Sequence[str],
+        item: Callable[
+            [UnitOfWork, WorkerSession, Snapshot, int, int, list[tuple[Snapshot, Change]]],
+            ItemResult,
+        ],
+        *,
+        allow_closed: bool = False,
+    ) -> BatchAnswer:
+        if not 1 <= len(attempt_ids) <= MAX_BATCH_ITEMS:
+            raise InvalidAdmission(f"a batch holds 1..{MAX_BATCH_ITEMS} items")
+        if len(set(attempt_ids)) != len(attempt_ids):
+            raise InvalidAdmission("a batch names each attempt at most once")
+        results: list[ItemResult | None] = [None] * len(attempt_ids)
+        with self._uow_factory() as uow:
+            session = self._authenticate(uow, session_id, secret, allow_closed=allow_closed)
+            snapshots: dict[int, Snapshot] = {}
+            order = sorted(range(len(attempt_ids)), key=lambda i: attempt_ids[i])
+            locked = uow.runs.lock_attempts([attempt_ids[index] for index in order])
+            for index, snapshot in zip(order, locked, strict=True):
+                if snapshot is None or snapshot.attempt is None:
+                    results[index] = _rejected(attempt_ids[index], UnknownAttempt())
+                else:
+                    snapshots[index] = snapshot
+            now_ms = uow.now_ms()
+            # Each item is decided on its own (a refusal changes nothing); the changes of the
+            # accepted ones are written together, all or nothing, at the end.
+            writes: list[tuple[Snapshot, Change]] = []
+            for index, snapshot in sorted(snapshots.items()):
+                mark = len(writes)
+                try:
+                    results[index] = item(uow, session, snapshot, index, now_ms, writes)
+                except (DomainError, UnknownAttempt) as error:
+                    del writes[mark:]
+                    results[index] = _rejected(attempt_ids[index], error)
+            uow.runs.apply_many(writes)
+            uow.commit()
+        return BatchAnswer(now_ms=now_ms, results=tuple(r for r in results if r is not None))
+
+    def _offers_of(self, uow: UnitOfWork, session_id: str) -> list[Offer]:
+        offers = []
+        for attempt, lease in uow.sessions.offers_of(session_id):
+            run = uow.runs.get_run(attempt.run_id)
+            if run is None:
+                continue
+            offers.append(
+                Offer(
+                    run_id=run.id,
+                    attempt_id=attempt.id,
+                    attempt_number=attempt.number,
+                    task=run.task,
+                    input=run.input,
+                    generation=lease.generation,
+                    version=lease.version,
+                    expires_at_ms=lease.expires_at_ms,
+                    idempotency_key=run.id,
+                )
+            )
+        return offers
 
     # --- helpers ------------------------------------------------------------------------------
 

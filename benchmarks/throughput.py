@@ -71,6 +71,8 @@ WORKER_FLAGS = (
     str(SLOTS),
     "--poll-interval",
     "0.05",  # longest wait between asks for work while a slot is free
+    "--prefetch",
+    str(7 * SLOTS),  # offers accepted ahead of free slots, activated as slots free
     "--log-level",
     "warning",
 )

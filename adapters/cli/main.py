@@ -12,6 +12,7 @@ from typing import Any, NoReturn
 
 import click
 
+from adapters.cli import db_cmds, standalone_cmds
 from application.admission import UnknownRun
 from application.budgets import InvalidPageSize
 from application.worker_commands import UnknownAttempt
@@ -28,13 +29,37 @@ def _fail_usage(message: str) -> NoReturn:
     raise click.UsageError(message)
 
 
+SQLITE_URL_PREFIX = "sqlite:///"
+# Commands that may create a missing SQLite database file (every other one needs it to exist).
+CREATES_SQLITE_DATABASE = frozenset({"submit"})
+
+
+def _command_name() -> str | None:
+    context = click.get_current_context(silent=True)
+    return context.command.name if context is not None else None
+
+
 def _database_url(value: str | None) -> str:
+    """A PostgreSQL URL (with the psycopg driver) or ``sqlite:///PATH`` (the Standalone store)."""
     url = value or os.environ.get("QL3_DATABASE_URL")
     if not url:
         _fail_usage("no database: pass --database-url or set QL3_DATABASE_URL")
+    if url.startswith(SQLITE_URL_PREFIX):
+        if _command_name() == "upgrade":
+            _fail_usage("db upgrade is for PostgreSQL; the SQLite store creates its own schema")
+        return url
     if not url.startswith(("postgresql+psycopg://", "postgresql://")):
-        _fail_usage("the database URL must start with postgresql+psycopg://")
+        _fail_usage("the database URL must start with postgresql+psycopg:// or sqlite:///")
     return url.replace("postgresql://", "postgresql+psycopg://", 1)
+
+
+def _sqlite_path(url: str) -> str:
+    path = url[len(SQLITE_URL_PREFIX) :]
+    if not path or path == ":memory:":
+        _fail_usage("a sqlite:/// URL must name a database file")
+    if not os.path.exists(path) and _command_name() not in CREATES_SQLITE_DATABASE:
+        raise Failure(f"no database at {path}")
+    return os.path.abspath(path)
 
 
 database_option = click.option(
@@ -45,9 +70,17 @@ json_option = click.option("--json", "as_json", is_flag=True, help="Print one JS
 
 @contextmanager
 def _cluster(database_url: str | None, **settings: Any) -> Iterator[Any]:
-    from bootstrap import cluster
+    """The container of the database's profile: Cluster for PostgreSQL, Standalone for a
+    ``sqlite:///`` URL (it never loads the PostgreSQL adapter)."""
+    url = _database_url(database_url)
+    if url.startswith(SQLITE_URL_PREFIX):
+        from bootstrap import standalone
 
-    container = cluster.build(database_url=_database_url(database_url), **settings)
+        container: Any = standalone.build(database_path=_sqlite_path(url), **settings)
+    else:
+        from bootstrap import cluster
+
+        container = cluster.build(database_url=url, **settings)
     try:
         yield container
     finally:
@@ -67,12 +100,13 @@ def cli() -> None:
 
 
 @cli.command()
-@click.option("--lease-ttl", default=30.0, show_default=True, help="Lease TTL in the story.")
-def demo(lease_ttl: float) -> None:
-    """Tell the recovery story: a worker dies mid-task."""
+@click.option("--short", is_flag=True, help="Shorter tasks and leases (also: QL3_DEMO_SHORT=1).")
+@click.option("--keep", "folder", default=None, help="Keep the database and log in this folder.")
+def demo(short: bool, folder: str | None) -> None:
+    """Tell the recovery story: a process dies mid-task and is restarted."""
     from adapters.cli.demo import run_demo
 
-    run_demo(click.echo, lease_ttl_s=lease_ttl)
+    run_demo(short=short or None, folder=folder)
 
 
 @cli.group()
@@ -89,6 +123,9 @@ def db_upgrade(database_url: str | None) -> None:
     url = _database_url(database_url)
     upgrade(url)
     click.echo(f"database at revision {current_revision(url)}")
+
+
+db.add_command(db_cmds.grant_ingress_command)
 
 
 @cli.command()
@@ -193,6 +230,10 @@ def runs_show(run_id: str, database_url: str | None, as_json: bool) -> None:
                     "    waiting for not-running evidence since "
                     f"{_iso(a.awaiting_evidence_since_ms)}"
                 )
+        for step in view.steps:
+            run = step.run
+            run_text = f"run {run.id} {run.status.value}" if run else "no run"
+            click.echo(f"  step {step.step.step_id} {step.step.status.value:<9} {run_text}")
         for seq, kind, at, _attempt, _data in view.events:
             click.echo(f"  event {seq:>6} {_iso(at)} {kind}")
 
@@ -245,6 +286,20 @@ def attempts_attest_stopped(attempt_id: str, reason: str, database_url: str | No
     with _cluster(database_url) as container:
         container.core.worker_commands().attest_stopped(attempt_id, reason)
     click.echo(f"attested: attempt {attempt_id} is not running")
+
+
+from adapters.cli import node_cmds  # noqa: E402  (commands defined in their own module)
+
+for _command in (node_cmds.serve, node_cmds.worker):
+    cli.add_command(_command)
+
+
+cli.add_command(standalone_cmds.standalone_command)
+
+from adapters.cli import trigger_cmds  # noqa: E402  (commands defined in their own module)
+
+cli.add_command(trigger_cmds.triggers)
+cli.add_command(trigger_cmds.workflows)
 
 
 def main(argv: list[str] | None = None) -> int:

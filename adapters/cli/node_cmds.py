@@ -1,0 +1,193 @@
+"""``ql3 serve`` (a Cluster node) and ``ql3 worker`` (a remote worker)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+from types import FrameType
+
+import click
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+positive = click.FloatRange(min=0, min_open=True)
+
+
+def _postgres_url(url: str) -> str:
+    if not url.startswith("postgresql"):
+        raise click.UsageError("a cluster node needs a PostgreSQL database")
+    return url
+
+
+def _configure_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format=LOG_FORMAT, stream=sys.stderr)
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
+    logging.getLogger("httpcore").setLevel(max(logging.WARNING, logging.getLogger().level))
+
+
+@click.command()
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True,
+              help="0 picks a free port (printed when ready).")
+@click.option("--cadence", type=positive, default=1.0, show_default=True,
+              help="Seconds between scheduler cycles.")
+@click.option("--lease-ttl", type=positive, default=30.0, show_default=True,
+              help="Seconds a dispatch lease lives without renewal.")
+@click.option("--session-silence", type=positive, default=None,
+              help="Seconds without heartbeat after which a session gets no offers "
+              "[default: the lease TTL].")
+@click.option("--dispatch-page-size", type=click.IntRange(1, 64), default=16, show_default=True)
+@click.option("--max-body-bytes", type=click.IntRange(1024), default=1024 * 1024,
+              show_default=True)
+@click.option("--database-url", "database_url", default=None,
+              help="Defaults to $QL3_DATABASE_URL.")
+@click.option("--ingress-database-url", default=None,
+              help="The ingress's own role [default: $QL3_INGRESS_DATABASE_URL, else the "
+              "node's database URL].")
+@click.option("--access-log", is_flag=True, help="Log each request (method, path, status).")
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
+              default="info", show_default=True)
+def serve(
+    host: str,
+    port: int,
+    cadence: float,
+    lease_ttl: float,
+    session_silence: float | None,
+    dispatch_page_size: int,
+    max_body_bytes: int,
+    database_url: str | None,
+    ingress_database_url: str | None,
+    access_log: bool,
+    log_level: str,
+) -> None:
+    """Run a cluster node: the scheduler cadence and the worker ingress in one process.
+
+    Several nodes may share one database. Set $QL3_REGISTRATION_TOKEN to make workers present
+    that token to register. Stops on SIGTERM or SIGINT."""
+    from adapters.cli.main import Failure, _database_url
+    from bootstrap import node
+
+    url = _postgres_url(_database_url(database_url))
+    ingress_url = ingress_database_url or os.environ.get("QL3_INGRESS_DATABASE_URL")
+    if ingress_url:
+        ingress_url = _postgres_url(_database_url(ingress_url))
+    _configure_logging(log_level)
+    container = node.build(
+        database_url=url,
+        ingress_database_url=ingress_url,
+        cadence_s=cadence,
+        lease_ttl_s=lease_ttl,
+        session_silence_s=session_silence or lease_ttl,
+        dispatch_page_size=dispatch_page_size,
+        max_body_bytes=max_body_bytes,
+        registration_token=os.environ.get("QL3_REGISTRATION_TOKEN") or None,
+    )
+    report = container.cluster.startup_recovery().run()
+    logging.getLogger("ql3.node").info(
+        "startup recovery: %s", " ".join(f"{k}={v}" for k, v in report.counts().items())
+    )
+    sock = node.bind_socket(host, port)
+    bound_host, bound_port = sock.getsockname()[:2]
+    shown = f"[{bound_host}]" if ":" in bound_host else bound_host
+
+    def ready() -> None:
+        click.echo(f"ql3 node listening on http://{shown}:{bound_port}")
+
+    try:
+        started = node.serve(
+            container, sock, on_ready=ready, access_log=access_log, log_level=log_level,
+            run_startup_recovery=False,
+        )
+    finally:
+        sock.close()
+    if not started:
+        raise Failure("the node could not start")
+
+
+@click.command()
+@click.option("--ingress", "ingress_url", required=True, help="The node's URL, http://HOST:PORT.")
+@click.option("--app", "app_spec", required=True,
+              help="MODULE:ATTR, a mapping of task names to callables.")
+@click.option("--worker-id", required=True,
+              help="Names one execution slot group: a restarted process reuses it, and its "
+              "registration tells the runtime that the old process is gone. Never run two "
+              "processes with one worker id.")
+@click.option("--concurrency", type=click.IntRange(1, 1024), default=1, show_default=True,
+              help="Tasks run at once, each in its own child process.")
+@click.option("--prefetch", type=click.IntRange(0, 1023), default=0, show_default=True,
+              help="Attempts accepted beyond the free slots and queued here until a slot "
+              "frees; the session asks for concurrency + prefetch. Raises the throughput of "
+              "short tasks (try 4 x concurrency). Queued attempts never started: a drain hands "
+              "them back and a crash leaves them to recovery, and either way the runtime "
+              "retries them only as their retry policy allows. 0 disables it.")
+@click.option("--drain-timeout", type=positive, default=30.0, show_default=True,
+              help="Seconds a drain waits for running tasks before stopping them.")
+@click.option("--poll-interval", type=positive, default=0.5, show_default=True,
+              help="Longest wait between asks for work while a slot is free.")
+@click.option("--register-timeout", type=positive, default=30.0, show_default=True,
+              help="Seconds to keep trying to reach the ingress at start.")
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
+              default="info", show_default=True)
+def worker(
+    ingress_url: str,
+    app_spec: str,
+    worker_id: str,
+    concurrency: int,
+    prefetch: int,
+    drain_timeout: float,
+    poll_interval: float,
+    register_timeout: float,
+    log_level: str,
+) -> None:
+    """Run tasks from a node's ingress. SIGTERM (or ^C) drains: no new work, queued attempts
+    are handed back, running tasks finish, the session closes; a second signal stops the tasks
+    at once."""
+    from adapters.cli.main import Failure
+    from adapters.execution import AppLoadError, load_app
+    from adapters.worker.runtime import MAX_CAPACITY, Worker, WorkerFailed, WorkerSettings
+
+    if not ingress_url.startswith(("http://", "https://")):
+        raise click.BadParameter("must start with http:// or https://", param_hint="--ingress")
+    if concurrency + prefetch > MAX_CAPACITY:
+        raise click.BadParameter(
+            f"concurrency + prefetch must be at most {MAX_CAPACITY}", param_hint="--prefetch"
+        )
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # --app names a module of the current directory
+    try:
+        tasks = load_app(app_spec)
+    except AppLoadError as error:
+        raise click.BadParameter(str(error), param_hint="--app") from None
+    _configure_logging(log_level)
+    settings = WorkerSettings(
+        ingress_url=ingress_url,
+        app_spec=app_spec,
+        worker_id=worker_id,
+        tasks=tuple(sorted(tasks)),
+        concurrency=concurrency,
+        prefetch=prefetch,
+        drain_timeout_s=drain_timeout,
+        poll_interval_s=poll_interval,
+        register_timeout_s=register_timeout,
+        registration_token=os.environ.get("QL3_REGISTRATION_TOKEN") or None,
+    )
+    runner = Worker(settings)
+    signals = 0
+
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        nonlocal signals
+        signals += 1
+        if signals == 1:
+            runner.request_drain()
+        else:
+            runner.request_stop()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        status = runner.run()
+    except WorkerFailed as error:
+        raise Failure(str(error)) from None
+    if status != 0:
+        raise Failure("the worker was stopped before its tasks finished")

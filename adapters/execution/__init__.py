@@ -1,0 +1,8 @@
+"""Running task code: the task mapping an application exposes, and how a task is called.
+
+Shared by every executor (the remote worker and the Standalone/Edge in-process pool), so a
+task behaves the same wherever it runs."""
+
+from adapters.execution.app import AppLoadError, TaskContext, TaskMapping, invoke_task, load_app
+
+__all__ = ["AppLoadError", "TaskContext", "TaskMapping", "invoke_task", "load_app"]

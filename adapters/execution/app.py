@@ -1,0 +1,77 @@
+"""Load ``MODULE:ATTR`` task mappings and call one task with its JSON input."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import attrs
+
+TaskMapping = Mapping[str, Callable[..., Any]]
+
+
+class AppLoadError(Exception):
+    """The ``MODULE:ATTR`` spec does not name a mapping of task names to callables."""
+
+
+@attrs.frozen(kw_only=True)
+class TaskContext:
+    """What a task may learn about the attempt running it.
+
+    ``idempotency_key`` is the same for every attempt of one run, so a task can hand it to an
+    external system that deduplicates requests."""
+
+    run_id: str
+    attempt_number: int
+    idempotency_key: str
+
+
+def load_app(spec: str) -> dict[str, Callable[..., Any]]:
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise AppLoadError(f"--app must be MODULE:ATTR, got {spec!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise AppLoadError(f"cannot import {module_name!r}: {exc}") from None
+    target: object = module
+    for part in attr.split("."):
+        if not hasattr(target, part):
+            raise AppLoadError(f"{module_name!r} has no attribute {attr!r}")
+        target = getattr(target, part)
+    if callable(target) and not isinstance(target, Mapping):
+        target = target()
+    if not isinstance(target, Mapping) or not target:
+        raise AppLoadError(f"{spec} must be a non-empty mapping of task names to callables")
+    tasks: dict[str, Callable[..., Any]] = {}
+    for name, fn in target.items():
+        if not isinstance(name, str) or not name or not callable(fn):
+            raise AppLoadError(f"{spec}: entry {name!r} is not a task name mapped to a callable")
+        tasks[name] = fn
+    return tasks
+
+
+def _accepts_context(fn: Callable[..., Any]) -> bool:
+    try:
+        parameters = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    if "context" in parameters:
+        return parameters["context"].kind in (
+            inspect.Parameter.KEYWORD_ONLY,
+            inspect.Parameter.POSITIONAL_OR_KEYWORD,
+        )
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+
+
+def invoke_task(fn: Callable[..., Any], payload: Any, context: TaskContext) -> Any:
+    """Call ``fn(payload)`` (with ``context=`` when it takes it) and check the result is JSON.
+
+    Any exception, including a result that is not JSON, propagates: the caller fails the
+    attempt with it."""
+    result = fn(payload, context=context) if _accepts_context(fn) else fn(payload)
+    json.dumps(result)
+    return result

@@ -1,0 +1,77 @@
+"""The child process of one execution slot: ``python -m adapters.worker.slot_main APP PID``.
+
+It loads the task mapping once, then runs one task at a time, reading a job per line on stdin
+and answering one line on its private copy of stdout; the task's own prints go to stderr. It
+dies with its parent (Linux parent-death signal), so a killed worker leaves no task running."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import sys
+from typing import Any, TextIO
+
+from adapters.execution import AppLoadError, TaskContext, invoke_task, load_app
+
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent_pid:  # the parent died before the signal was armed
+        os._exit(1)
+
+
+def _answer(out: TextIO, document: dict[str, Any]) -> None:
+    try:
+        line = json.dumps(document, allow_nan=False)
+    except (TypeError, ValueError) as error:
+        line = json.dumps({"ok": False, "error": f"the result is not JSON: {error}"})
+    out.write(line + "\n")
+    out.flush()
+
+
+def _run(tasks: dict[str, Any], job: dict[str, Any]) -> dict[str, Any]:
+    fn = tasks.get(job.get("task", ""))
+    if fn is None:
+        return {"ok": False, "error": f"this worker has no task {job.get('task')!r}"}
+    context = TaskContext(
+        run_id=job["run_id"],
+        attempt_number=int(job["attempt_number"]),
+        idempotency_key=job["idempotency_key"],
+    )
+    try:
+        return {"ok": True, "output": invoke_task(fn, job.get("input"), context)}
+    except (Exception, SystemExit) as error:
+        return {"ok": False, "error": f"{type(error).__name__}: {error}"[:10_000]}
+
+
+def main(argv: list[str]) -> int:
+    spec, parent_pid = argv[1], int(argv[2])
+    _die_with_parent(parent_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when a task stops
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    out = os.fdopen(os.dup(1), "w", encoding="utf-8")
+    os.dup2(2, 1)  # prints of the task go to stderr, never into the protocol
+    try:
+        tasks = load_app(spec)
+    except AppLoadError as error:
+        _answer(out, {"ready": False, "error": str(error)})
+        return 2
+    _answer(out, {"ready": True, "tasks": sorted(tasks)})
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        _answer(out, _run(tasks, json.loads(line)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

@@ -1,0 +1,219 @@
+"""A Cluster node: the scheduler lifecycle and the worker ingress in one process.
+
+Several nodes may share one database: every cycle of every node takes the same locks, so each
+candidate is resolved by exactly one of them. The node runs startup recovery once, starts its
+one scheduler lifecycle (the only timer), and serves the ingress with uvicorn until SIGTERM or
+SIGINT; then it stops taking requests, waits for the running cycle and closes its stores.
+
+The ingress reaches the store only through its own :class:`WorkerCommands`, built on its own
+store (``ingress_store``): the least-privilege ingress store on ``ingress_database_url`` when
+given, else a second small pool on the node's database."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import socket
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from types import FrameType
+from typing import Any
+
+from dependency_injector import containers, providers
+from fastapi import FastAPI
+
+from adapters.http import DEFAULT_MAX_BODY_BYTES, create_app
+from application.identities import RandomIdentities
+from application.scheduler import ClusterSchedulerLifecycle, CycleSummary
+from application.worker_commands import WorkerCommands
+from bootstrap.cluster import CLUSTER_DEFAULTS, ClusterContainer, open_postgres_store
+from bootstrap.core import seconds_to_ms
+
+log = logging.getLogger("ql3.node")
+
+NODE_DEFAULTS: dict[str, object] = {
+    **CLUSTER_DEFAULTS,
+    "ingress_database_url": None,
+    "ingress_pool_size": 8,
+    "max_body_bytes": DEFAULT_MAX_BODY_BYTES,
+    "registration_token": None,
+}
+STOP_TIMEOUT_S = 30
+# The counts that make a cycle worth a log line: what recovery and lost retry changed.
+NOTEWORTHY = {
+    "runtime_recovery": ("recovered",),
+    "lost_retry": ("failed", "retries_scheduled", "attempts_created"),
+}
+
+
+def open_ingress_store(
+    database_url: str, ingress_database_url: str | None, pool_size: int
+) -> Any:
+    """The ingress's store, with its own engine and pool: on ``ingress_database_url`` (the
+    least-privilege ingress role, see ``ql3 db grant-ingress``) when given, else a second pool
+    on the node's own database URL."""
+    if ingress_database_url:
+        from adapters.postgres.ingress import PostgresIngressStore
+
+        return PostgresIngressStore.from_url(ingress_database_url, pool_size=pool_size)
+    return open_postgres_store(database_url, pool_size)
+
+
+def heartbeat_interval_ms(lease_ttl_s: float, session_silence_s: float) -> int:
+    """A third of the shorter of the lease TTL and the session silence window."""
+    return max(50, min(seconds_to_ms(lease_ttl_s), seconds_to_ms(session_silence_s)) // 3)
+
+
+def log_cycle(summary: CycleSummary) -> None:
+    """One line per cycle that failed or changed recovery state; quiet otherwise."""
+    if not summary.ok:
+        step = summary.step(summary.aborted_at or "")
+        log.error("cycle aborted at %s: %s", summary.aborted_at, step.error if step else "")
+        return
+    notes = []
+    for name, keys in NOTEWORTHY.items():
+        step = summary.step(name)
+        counts = {k: step.counts.get(k, 0) for k in keys} if step else {}
+        if any(counts.values()):
+            notes.append(f"{name} " + " ".join(f"{k}={v}" for k, v in counts.items() if v))
+    if notes:
+        log.info("cycle: %s", "; ".join(notes))
+
+
+class NodeContainer(containers.DeclarativeContainer):
+    config = providers.Configuration()
+    cluster = providers.Container(ClusterContainer, config=config)
+
+    lifecycle = providers.Singleton(
+        ClusterSchedulerLifecycle,
+        coordinator=cluster.coordinator,
+        cadence_s=config.cadence_s,
+        on_cycle=providers.Object(log_cycle),
+    )
+    ingress_store = providers.Singleton(
+        open_ingress_store,
+        config.database_url,
+        config.ingress_database_url,
+        config.ingress_pool_size,
+    )
+    ingress_commands = providers.Singleton(
+        WorkerCommands,
+        uow_factory=ingress_store.provided.unit_of_work,
+        identities=providers.Singleton(RandomIdentities),
+        lease_ttl_ms=providers.Callable(seconds_to_ms, config.lease_ttl_s),
+    )
+    heartbeat_interval_ms = providers.Callable(
+        heartbeat_interval_ms, config.lease_ttl_s, config.session_silence_s
+    )
+
+
+def build(store: Any | None = None, **settings: Any) -> NodeContainer:
+    """A node container. ``database_url`` is required unless a ``store`` is given (tests): then
+    the scheduler and the ingress share it."""
+    container = NodeContainer()
+    container.config.from_dict({**NODE_DEFAULTS, **settings})
+    if store is not None:
+        container.cluster.store.override(providers.Object(store))
+        container.ingress_store.override(providers.Object(store))
+    return container
+
+
+def create_node_app(
+    container: NodeContainer,
+    *,
+    on_ready: Callable[[], None] | None = None,
+    run_startup_recovery: bool = True,
+) -> FastAPI:
+    """The ingress app whose lifespan is the node's: startup recovery, then the scheduler
+    lifecycle; on shutdown the lifecycle stops (waiting for its cycle) and the stores close."""
+    lifecycle = container.lifecycle()
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        if run_startup_recovery:
+            report = await asyncio.to_thread(container.cluster.startup_recovery().run)
+            log.info(
+                "startup recovery: %s",
+                " ".join(f"{k}={v}" for k, v in report.counts().items()),
+            )
+        lifecycle.start()
+        if on_ready is not None:
+            on_ready()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(lifecycle.stop, STOP_TIMEOUT_S)
+            close_stores(container)
+
+    return create_app(
+        container.ingress_commands(),
+        max_body_bytes=container.config.max_body_bytes(),
+        registration_token=container.config.registration_token(),
+        heartbeat_interval_ms=container.heartbeat_interval_ms(),
+        on_capacity_freed=lifecycle.wake,
+        lifespan=lifespan,
+    )
+
+
+def close_stores(container: NodeContainer) -> None:
+    ingress = container.ingress_store()
+    main = container.cluster.store()
+    ingress.close()
+    if main is not ingress:
+        main.close()
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening socket (port 0 picks a free port); connections wait in its backlog until
+    the node is ready."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve(
+    container: NodeContainer,
+    sock: socket.socket,
+    *,
+    on_ready: Callable[[], None] | None = None,
+    access_log: bool = False,
+    log_level: str = "info",
+    run_startup_recovery: bool = True,
+) -> bool:
+    """Serve until SIGTERM/SIGINT. Returns False when the node could not start."""
+    import uvicorn
+
+    app = create_node_app(
+        container, on_ready=on_ready, run_startup_recovery=run_startup_recovery
+    )
+    config = uvicorn.Config(
+        app,
+        lifespan="on",
+        access_log=access_log,  # method, path and status only: no secret is in a URL
+        log_level=log_level,
+        server_header=False,
+        timeout_graceful_shutdown=STOP_TIMEOUT_S,
+    )
+    server = uvicorn.Server(config)
+
+    def stop(_signum: int, _frame: FrameType | None) -> None:
+        server.should_exit = True
+
+    # uvicorn re-raises the signal that stopped it once it has shut down; with this handler
+    # in place a graceful stop ends the process with status 0.
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        server.run(sockets=[sock])
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return bool(server.started)

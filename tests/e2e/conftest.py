@@ -1,0 +1,250 @@
+"""Fixtures of the end-to-end tests: real ``ql3 serve`` and ``ql3 worker`` processes on a
+PostgreSQL database, a side-effect ledger, and the services to submit and inspect runs.
+
+``cluster``
+    A :class:`Cluster` for the module: one node already serving (short lease TTL and cadence)
+    whose ingress connects as its own least-privilege role (``ql3 db grant-ingress``),
+    ``start_node()`` for more nodes on the same database, ``start_worker(...)`` for workers.
+    Every process it started is stopped (by its id), and the role dropped, when the module is
+    done.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from psycopg import sql
+from sqlalchemy.engine import make_url
+
+from application.queries import RunQueries
+from bootstrap import cluster as cluster_root
+from tests.postgres_server import connect, random_name
+
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+LEASE_TTL_S = 2.0
+CADENCE_S = 0.5
+START_TIMEOUT_S = 30.0
+
+
+def alive(pid: int) -> bool:
+    """The process exists and is not a zombie."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, IndexError, ProcessLookupError):
+        return False
+    return state != "Z"
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = 20.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what or predicate}")
+        time.sleep(0.05)
+
+
+@dataclass
+class Process:
+    name: str
+    popen: subprocess.Popen[bytes]
+    log: Path
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def signal(self, signum: int) -> None:
+        if self.popen.poll() is None:
+            os.kill(self.popen.pid, signum)
+
+    def wait(self, timeout: float = 30.0) -> int:
+        return self.popen.wait(timeout=timeout)
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            self.signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.signal(signal.SIGKILL)
+                self.popen.wait(timeout=5)
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+
+@dataclass
+class Ledger:
+    path: Path
+
+    def entries(self, event: str | None = None, run_id: str | None = None) -> list[dict[str, Any]]:
+        if not self.path.exists():
+            return []
+        rows = [json.loads(line) for line in self.path.read_text().splitlines() if line]
+        return [
+            r for r in rows
+            if (event is None or r["event"] == event) and (run_id is None or r["run_id"] == run_id)
+        ]
+
+
+@dataclass
+class Cluster:
+    database_url: str
+    workdir: Path
+    processes: list[Process] = field(default_factory=list)
+    nodes: list[str] = field(default_factory=list)
+    roles: list[str] = field(default_factory=list)
+    container: Any = None
+
+    def __post_init__(self) -> None:
+        self.container = cluster_root.build(database_url=self.database_url)
+        self.queries = RunQueries(self.container.store().unit_of_work)
+
+    # processes
+
+    def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Process:
+        log = self.workdir / f"{name}.log"
+        handle = log.open("wb")
+        popen = subprocess.Popen(
+            [sys.executable, "-m", "adapters.cli.main", *argv],
+            cwd=PROJECT_ROOT,
+            stdout=handle,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "QL3_DATABASE_URL": self.database_url, **(env or {})},
+        )
+        handle.close()
+        process = Process(name=name, popen=popen, log=log)
+        self.processes.append(process)
+        return process
+
+    def grant_ingress_role(self) -> str:
+        """A fresh ingress role on the database; returns its URL."""
+        role = random_name("ql3_e2e_ingress_")
+        granted = self.ql3("db", "grant-ingress", role)
+        assert granted.returncode == 0, granted.stderr
+        self.roles.append(role)
+        return make_url(self.database_url).set(username=role, password=None).render_as_string(
+            hide_password=False
+        )
+
+    def drop_roles(self) -> None:
+        with connect(self.database_url) as conn:
+            for role in self.roles:
+                conn.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(role)))
+                conn.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
+
+    def start_node(self, ingress_database_url: str | None = None) -> str:
+        index = len(self.nodes)
+        argv = ["serve", "--port", "0", "--lease-ttl", str(LEASE_TTL_S),
+                "--cadence", str(CADENCE_S)]
+        if ingress_database_url:
+            argv += ["--ingress-database-url", ingress_database_url]
+        process = self._spawn(f"node-{index}", argv)
+        url: list[str] = []
+
+        def ready() -> bool:
+            assert process.popen.poll() is None, f"node exited:\n{process.output()}"
+            for line in process.output().splitlines():
+                if line.startswith("ql3 node listening on "):
+                    url.append(line.rsplit(" ", 1)[1])
+                    return True
+            return False
+
+        wait_for(ready, START_TIMEOUT_S, "the node to listen")
+        assert httpx.get(f"{url[0]}/v1/health", timeout=5).json() == {"status": "ok"}
+        self.nodes.append(url[0])
+        return url[0]
+
+    def start_worker(self, prefix: str, worker_id: str, ledger: Ledger, *, concurrency: int = 1,
+                     node: int = 0, name: str | None = None) -> Process:
+        return self._spawn(
+            name or f"worker-{worker_id}-{len(self.processes)}",
+            ["worker", "--ingress", self.nodes[node], "--app", "tests.e2e.tasks:app",
+             "--worker-id", worker_id, "--concurrency", str(concurrency),
+             "--poll-interval", "0.2"],
+            env={"QL3_E2E_LEDGER": str(ledger.path), "QL3_E2E_PREFIX": prefix},
+        )
+
+    def ql3(self, *argv: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "adapters.cli.main", *argv],
+            cwd=PROJECT_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "QL3_DATABASE_URL": self.database_url},
+        )
+
+    def stop_all(self) -> None:
+        for process in reversed(self.processes):
+            process.stop()
+
+    # runs
+
+    def submit(self, task: str, payload: Any = None, policy: Any = None) -> str:
+        run_id: str = self.container.core.admission().submit(task, payload, policy)
+        return run_id
+
+    def show(self, run_id: str) -> dict[str, Any]:
+        view = self.queries.show(run_id)
+        assert view is not None, run_id
+        document: dict[str, Any] = view.as_dict()
+        return document
+
+    def status(self, run_id: str) -> str:
+        return str(self.show(run_id)["status"])
+
+    def wait_status(self, run_ids: list[str], statuses: set[str], timeout: float = 20.0) -> None:
+        wait_for(lambda: all(self.status(r) in statuses for r in run_ids), timeout,
+                 f"runs to reach {statuses}: " + ", ".join(self.status(r) for r in run_ids))
+
+
+@pytest.fixture(scope="module")
+def cluster(pg_database_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    workdir = tmp_path_factory.mktemp("e2e")
+    built = Cluster(database_url=pg_database_url, workdir=workdir)
+    try:
+        built.start_node(ingress_database_url=built.grant_ingress_role())
+        yield built
+    except BaseException:
+        for process in built.processes:
+            sys.stderr.write(f"--- {process.name} ---\n{process.output()[-4000:]}\n")
+        raise
+    finally:
+        built.stop_all()
+        built.container.store().close()
+        built.drop_roles()
+
+
+@pytest.fixture
+def ledger(tmp_path: Path) -> Ledger:
+    return Ledger(tmp_path / "ledger.jsonl")
+
+
+@pytest.fixture(autouse=True)
+def _dump_logs_on_failure(request: pytest.FixtureRequest) -> Iterator[None]:
+    yield
+    report = getattr(request.node, "rep_call", None)
+    if report is not None and report.failed and "cluster" in request.fixturenames:
+        built: Cluster = request.getfixturevalue("cluster")
+        for process in built.processes:
+            sys.stderr.write(f"--- {process.name} ---\n{process.output()[-4000:]}\n")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    report = yield
+    if report.when == "call":
+        item.rep_call = report  # type: ignore[attr-defined]
+    return report

@@ -1,0 +1,242 @@
+"""End to end with real processes on PostgreSQL: ``ql3 serve`` nodes, ``ql3 worker`` processes
+that are SIGKILLed and SIGTERMed, and an old worker's fence sent over HTTP after recovery.
+
+The first node's ingress connects as its own least-privilege role; the second node (test e)
+uses the node's own database URL for its ingress.
+
+Lease TTL 2 s and cadence 0.5 s keep the module short; each test uses its own task names (a
+prefix), so the workers of one test never take the runs of another."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from typing import Any
+
+import httpx
+import pytest
+
+from domain.policy import Backoff, RetryPolicy, Safety
+from tests.e2e.conftest import CADENCE_S, LEASE_TTL_S, Cluster, Ledger, alive, wait_for
+
+pytestmark = [pytest.mark.postgres, pytest.mark.slow]
+
+NO_WAIT = Backoff(initial_ms=0, cap_ms=0)
+IDEMPOTENT = RetryPolicy(retry_on_lost=True, max_attempts=2, safety=Safety.IDEMPOTENT,
+                         backoff=NO_WAIT)
+UNSAFE = RetryPolicy(retry_on_lost=True, max_attempts=2, safety=Safety.UNSAFE, backoff=NO_WAIT)
+# Long enough to be running when the worker dies; a retried attempt is quick.
+BLOCK_FIRST = {"seconds": 0.1, "first_attempt_seconds": 120}
+
+
+def _lost_lease(document: dict[str, Any], number: int = 1) -> dict[str, Any]:
+    (attempt,) = [a for a in document["attempts"] if a["number"] == number]
+    lease: dict[str, Any] = attempt["lease"]
+    return lease
+
+
+def _events(document: dict[str, Any], kind: str) -> list[dict[str, Any]]:
+    return [e for e in document["events"] if e["type"] == kind]
+
+
+def test_a_quick_tasks_succeed_and_release_their_leases(cluster: Cluster, ledger: Ledger) -> None:
+    run_ids = [cluster.submit("a.double", {"n": n}) for n in range(8)]
+    worker = cluster.start_worker("a", "worker-a", ledger, concurrency=4)
+    cluster.wait_status(run_ids, {"succeeded"})
+    for n, run_id in enumerate(run_ids):
+        document = cluster.show(run_id)
+        assert document["output"] == {"doubled": 2 * n}
+        (attempt,) = document["attempts"]
+        assert attempt["status"] == "succeeded"
+        assert attempt["lease"]["status"] == "released"
+        assert attempt["lease"]["release_reason"] == "completed"
+        assert attempt["lease"]["version"] == 2
+    assert len(ledger.entries("double")) == 8
+    worker.signal(signal.SIGTERM)
+    assert worker.wait() == 0, worker.output()
+    assert "drained and closed" in worker.output()
+
+
+def test_b_sigkill_waits_for_evidence_then_retries_only_the_safe_run(
+    cluster: Cluster, ledger: Ledger
+) -> None:
+    safe = cluster.submit("b.sleep", BLOCK_FIRST, IDEMPOTENT)
+    unsafe = cluster.submit("b.sleep", BLOCK_FIRST, UNSAFE)
+    bare = cluster.submit("b.sleep", BLOCK_FIRST)
+    runs = [safe, unsafe, bare]
+    worker = cluster.start_worker("b", "worker-b", ledger, concurrency=3)
+    wait_for(lambda: len(ledger.entries("start")) == 3, what="three tasks to start")
+    cluster.wait_status(runs, {"running"})
+    slot_pids = {e["pid"] for e in ledger.entries("start")}
+
+    worker.signal(signal.SIGKILL)
+    worker.wait()
+    # The tasks die with the worker: nothing of the old process keeps running.
+    wait_for(lambda: not any(alive(pid) for pid in slot_pids), 5, "the slots to die")
+
+    # Without evidence nothing is lost, retried or failed, however long we wait.
+    time.sleep(LEASE_TTL_S + 3 * CADENCE_S)
+    for run_id in runs:
+        document = cluster.show(run_id)
+        assert document["status"] == "running"
+        (attempt,) = document["attempts"]
+        assert attempt["status"] == "running"
+        assert attempt["awaiting_evidence_since_ms"] is not None
+        assert _events(document, "attempt_lost") == []
+    shown = cluster.ql3("runs", "show", bare, "--json")
+    assert shown.returncode == 0, shown.stderr
+    assert json.loads(shown.stdout)["attempts"][0]["awaiting_evidence_since_ms"] is not None
+    text = cluster.ql3("runs", "show", bare)
+    assert "waiting for not-running evidence since" in text.stdout
+
+    # The same worker id registers again: its old process is gone.
+    again = cluster.start_worker("b", "worker-b", ledger, concurrency=3)
+    cluster.wait_status(runs, {"succeeded", "failed"})
+    assert cluster.status(safe) == "succeeded"
+    assert cluster.status(unsafe) == "failed"
+    assert cluster.status(bare) == "failed"
+    for run_id in runs:
+        document = cluster.show(run_id)
+        lease = _lost_lease(document)
+        assert (lease["status"], lease["release_reason"], lease["version"]) == (
+            "released", "lease_expired", 2
+        )
+        (lost,) = _events(document, "attempt_lost")
+        assert lost["data"]["evidence"] == "session_replaced"
+    safe_document = cluster.show(safe)
+    assert [a["status"] for a in safe_document["attempts"]] == ["lost", "succeeded"]
+    assert safe_document["output"] == {"slept": 0.1, "attempt": 2}
+    assert [len(cluster.show(r)["attempts"]) for r in (unsafe, bare)] == [1, 1]
+    # The side-effect ledger: the unsafe task ran once, the safe one twice (1 lost, 1 done).
+    assert [e["attempt"] for e in ledger.entries("start", unsafe)] == [1]
+    assert [e["attempt"] for e in ledger.entries("start", safe)] == [1, 2]
+    assert [e["attempt"] for e in ledger.entries("end", safe)] == [2]
+    assert ledger.entries("end", unsafe) == ledger.entries("end", bare) == []
+    again.signal(signal.SIGTERM)
+    assert again.wait() == 0, again.output()
+
+
+class OldWorker:
+    """A worker process as seen on the wire: it took an attempt, then stopped talking."""
+
+    def __init__(self, node: str, worker_id: str, task: str) -> None:
+        self.http = httpx.Client(base_url=node, timeout=10)
+        body = self.http.post(
+            "/v1/sessions", json={"worker_id": worker_id, "capacity": 1, "tasks": [task]}
+        ).json()
+        self.session = body["session_id"]
+        self.auth = {"Authorization": f"Bearer {body['secret']}"}
+        self.fence: dict[str, Any] = {}
+
+    def post(self, command: str, body: Any = None) -> httpx.Response:
+        return self.http.post(f"/v1/sessions/{self.session}/{command}", json=body,
+                              headers=self.auth)
+
+    def take_one(self) -> str:
+        offers: list[dict[str, Any]] = []
+
+        def offered() -> bool:
+            offers.extend(self.post("heartbeat").json()["offers"])
+            return bool(offers)
+
+        wait_for(offered, 10, "an offer")
+        offer = offers[0]
+        self.fence = {"attempt_id": offer["attempt_id"], "generation": offer["generation"],
+                      "version": offer["version"], "token": "old-worker-token-" + "x" * 16}
+        started = self.post("start", {"items": [self.fence]}).json()
+        assert started["results"][0]["outcome"] == "running", started
+        return str(offer["attempt_id"])
+
+    def fenced(self, command: str, **extra: Any) -> httpx.Response:
+        body = {k: v for k, v in self.fence.items() if k != "attempt_id"}
+        return self.post(f"attempts/{self.fence['attempt_id']}/{command}", {**body, **extra})
+
+
+def test_c_after_recovery_the_old_fence_gets_409_and_changes_nothing(
+    cluster: Cluster, ledger: Ledger
+) -> None:
+    # 1. The worker id comes back (a restarted process): its old session is replaced.
+    safe = cluster.submit("c.sleep", {"seconds": 0.1}, IDEMPOTENT)
+    old = OldWorker(cluster.nodes[0], "worker-c", "c.sleep")
+    old.take_one()
+    restarted = cluster.start_worker("c", "worker-c", ledger)
+    cluster.wait_status([safe], {"succeeded"}, timeout=30)
+    before = cluster.show(safe)
+    assert [a["status"] for a in before["attempts"]] == ["lost", "succeeded"]
+    for command, extra in (("renew", {}), ("complete", {"succeeded": True, "output": "late"})):
+        response = old.fenced(command, **extra)
+        assert response.status_code == 409, response.text
+    assert cluster.show(safe) == before
+
+    # 2. The session is still open, an operator attests the attempt stopped: the fence is void.
+    bare = cluster.submit("c2.sleep", {"seconds": 0.1})
+    partitioned = OldWorker(cluster.nodes[0], "worker-c2", "c2.sleep")
+    attempt_id = partitioned.take_one()
+    time.sleep(LEASE_TTL_S + CADENCE_S)
+    assert cluster.status(bare) == "running"  # expired, but no evidence yet
+    attested = cluster.ql3("attempts", "attest-stopped", attempt_id, "--reason", "host is off")
+    assert attested.returncode == 0, attested.stderr
+    cluster.wait_status([bare], {"failed"})
+    before = cluster.show(bare)
+    (lost,) = _events(before, "attempt_lost")
+    assert lost["data"]["evidence"] == "operator_attested"
+    for command, extra in (("renew", {}), ("complete", {"succeeded": True})):
+        response = partitioned.fenced(command, **extra)
+        assert response.status_code == 409, response.text
+        assert response.json()["error"] == "fence_rejected"
+    assert cluster.show(bare) == before
+    restarted.signal(signal.SIGTERM)
+    assert restarted.wait() == 0
+
+
+def test_d_sigterm_drains_without_losing_a_run(cluster: Cluster, ledger: Ledger) -> None:
+    running = [cluster.submit("d.sleep", {"seconds": 1.5}) for _ in range(3)]
+    worker = cluster.start_worker("d", "worker-d", ledger, concurrency=3)
+    wait_for(lambda: len(ledger.entries("start")) == 3, what="three tasks to start")
+    waiting = [cluster.submit("d.sleep", {"seconds": 0.1}) for _ in range(2)]
+    worker.signal(signal.SIGTERM)
+    assert worker.wait(timeout=30) == 0, worker.output()
+    for run_id in running:
+        document = cluster.show(run_id)
+        assert document["status"] == "succeeded"
+        assert [a["status"] for a in document["attempts"]] == ["succeeded"]
+    assert [cluster.status(r) for r in waiting] == ["queued", "queued"]
+    # Another worker takes what the drained one left.
+    other = cluster.start_worker("d", "worker-d2", ledger, concurrency=2)
+    cluster.wait_status(waiting, {"succeeded"})
+    for run_id in [*running, *waiting]:
+        assert len(ledger.entries("start", run_id)) == 1
+        assert _events(cluster.show(run_id), "attempt_lost") == []
+    other.signal(signal.SIGTERM)
+    assert other.wait() == 0
+
+
+def test_e_two_nodes_recover_each_attempt_exactly_once(cluster: Cluster, ledger: Ledger) -> None:
+    if len(cluster.nodes) < 2:
+        cluster.start_node()
+    runs = [cluster.submit("e.sleep", BLOCK_FIRST, IDEMPOTENT) for _ in range(4)]
+    first = cluster.start_worker("e", "worker-e", ledger, concurrency=4, node=0)
+    wait_for(lambda: len(ledger.entries("start")) == 4, what="four tasks to start")
+    first.signal(signal.SIGKILL)
+    first.wait()
+    moved = cluster.start_worker("e", "worker-e", ledger, concurrency=4, node=1)
+    cluster.wait_status(runs, {"succeeded"}, timeout=30)
+    for run_id in runs:
+        document = cluster.show(run_id)
+        assert [a["status"] for a in document["attempts"]] == ["lost", "succeeded"]
+        assert len(_events(document, "attempt_lost")) == 1
+        assert len(_events(document, "retry_scheduled")) == 1
+        assert len(_events(document, "attempt_created")) == 1
+        lease = _lost_lease(document)
+        assert (lease["status"], lease["release_reason"], lease["version"]) == (
+            "released", "lease_expired", 2
+        )
+        assert [e["attempt"] for e in ledger.entries("start", run_id)] == [1, 2]
+    moved.signal(signal.SIGTERM)
+    assert moved.wait() == 0
+    # A node stops gracefully on SIGTERM too.
+    (second,) = [p for p in cluster.processes if p.name == "node-1"]
+    second.signal(signal.SIGTERM)
+    assert second.wait() == 0, second.output()
+    assert "Finished server process" in second.output()
