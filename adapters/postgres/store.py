@@ -97,6 +97,16 @@ DRIVER = "postgresql+psycopg"
 LOCK_RUN_ATTEMPTS = 3
 
 
+def _with_generic_plans(url: str) -> str:
+    """The server options of ``url`` (``?options=...``) plus ``plan_cache_mode``: options given
+    to the driver replace those of the URL, so both travel together."""
+    given = make_url(url).query.get("options")
+    if isinstance(given, tuple):
+        given = " ".join(given)
+    ours = "-c plan_cache_mode=force_generic_plan"
+    return f"{given} {ours}" if given else ours
+
+
 def _driver_url(url: str) -> str:
     parsed = make_url(url)
     if parsed.drivername in ("postgresql", "postgres"):
@@ -424,7 +434,7 @@ class PostgresStore:
             # Every statement of the store looks rows up by key or walks a partial index whose
             # predicate is a constant: one generic plan per prepared statement serves all
             # parameter values, and skips planning on each execution.
-            connect_args={"options": "-c plan_cache_mode=force_generic_plan"},
+            connect_args={"options": _with_generic_plans(driver_url)},
         )
         return cls(engine)
 

@@ -189,6 +189,23 @@ def test_a_lock_timeout_on_the_advisory_lock_changes_nothing(
         assert attempt is not None and attempt.status is AttemptStatus.CLAIMED
 
 
+def test_server_options_of_the_url_and_generic_plans_both_apply(pg_database_url: str) -> None:
+    from sqlalchemy import text
+
+    tuned = PostgresStore.from_url(
+        pg_database_url + "?options=-c%20lock_timeout%3D100", pool_size=1
+    )
+    try:
+        with tuned.unit_of_work() as uow:
+            shown = {
+                name: uow.connection.execute(text(f"SHOW {name}")).scalar_one()
+                for name in ("lock_timeout", "plan_cache_mode")
+            }
+    finally:
+        tuned.close()
+    assert shown == {"lock_timeout": "100ms", "plan_cache_mode": "force_generic_plan"}
+
+
 def test_lock_run_locks_through_the_latest_attempt(store: PostgresStore) -> None:
     session = open_session(store, "s1", "w1")
     dispatched(store, "r1", "a1", session, ttl_ms=1_000)
