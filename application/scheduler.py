@@ -198,9 +198,7 @@ class ClusterSchedulerLifecycle:
                 raise RuntimeError("a stopped lifecycle cannot start again")
             if self._thread is not None:
                 return
-            self._thread = threading.Thread(
-                target=self._loop, name="ql3-scheduler", daemon=True
-            )
+            self._thread = threading.Thread(target=self._loop, name="ql3-scheduler", daemon=True)
             self._thread.start()
 
     def wake(self) -> None:

@@ -258,4 +258,3 @@ class TriggerSchedule:
             broken=broken,
             has_more=page.has_more,
         )
-

@@ -22,6 +22,7 @@ from domain.errors import (
 )
 from domain.fence import LeaseFence, check_fence, check_holder, hash_token, secrets_match
 from domain.model import (
+    Attempt,
     AttemptStatus,
     DispatchLease,
     EvidenceKind,
@@ -167,6 +168,22 @@ class StartStage(enum.Enum):
     ACCEPTED = "accepted"  # bind the token only (prefetch)
     ACTIVATED = "activated"  # cross the start barrier of an accepted offer, mark it running
     STARTED = "started"  # accept, activate and mark running in one go
+
+
+@dataclass(frozen=True, slots=True)
+class _BatchItem:
+    """One item of a batch, locked and held by the calling session: what its decision needs.
+    Changes go to ``writes``; the batch writes them all together."""
+
+    uow: UnitOfWork
+    session: WorkerSession
+    snapshot: Snapshot
+    attempt: Attempt
+    lease: DispatchLease | None
+    fence: LeaseFence
+    index: int
+    now_ms: int
+    writes: list[tuple[Snapshot, Change]]
 
 
 def _rejected(attempt_id: str, error: Exception) -> ItemResult:
@@ -450,47 +467,30 @@ class WorkerCommands:
         for fence in fences:
             _check_token(fence.token)
 
-        def item(
-            uow: UnitOfWork,
-            session: WorkerSession,
-            snapshot: Snapshot,
-            index: int,
-            now_ms: int,
-            writes: list[tuple[Snapshot, Change]],
-        ) -> ItemResult:
-            return self._start_one(session, snapshot, fences[index], stage, now_ms, writes)
+        def item(it: _BatchItem) -> ItemResult:
+            return self._start_one(it.session, it.snapshot, it.fence, stage, it.now_ms, it.writes)
 
-        return self._batch(session_id, secret, [f.attempt_id for f in fences], item)
+        return self._batch(session_id, secret, fences, item)
 
     def renew_many(self, session_id: str, secret: str, fences: Sequence[LeaseFence]) -> BatchAnswer:
         """Extend each lease; no version change, no event."""
 
-        def item(
-            uow: UnitOfWork,
-            session: WorkerSession,
-            snapshot: Snapshot,
-            index: int,
-            now_ms: int,
-            writes: list[tuple[Snapshot, Change]],
-        ) -> ItemResult:
-            fence = fences[index]
-            assert snapshot.attempt is not None
-            lease = self._held(snapshot, session, fence)
+        def item(it: _BatchItem) -> ItemResult:
             renewed = renew(
-                attempt=snapshot.attempt,
-                lease=lease,
-                fence=fence,
+                attempt=it.attempt,
+                lease=it.lease,
+                fence=it.fence,
                 ttl_ms=self._lease_ttl_ms,
-                now_ms=now_ms,
+                now_ms=it.now_ms,
             )
-            uow.runs.renew_lease(check_holder(lease, fence), renewed)
+            it.uow.runs.renew_lease(check_holder(it.lease, it.fence), renewed)
             return ItemResult(
-                attempt_id=fence.attempt_id,
+                attempt_id=it.fence.attempt_id,
                 outcome=BatchOutcome.RENEWED,
                 expires_at_ms=renewed.expires_at_ms,
             )
 
-        return self._batch(session_id, secret, [f.attempt_id for f in fences], item)
+        return self._batch(session_id, secret, fences, item)
 
     def complete_many(
         self, session_id: str, secret: str, completions: Sequence[Completion]
@@ -499,40 +499,30 @@ class WorkerCommands:
         completion that was already recorded with the same fence answers
         ``already_completed`` and changes nothing."""
 
-        def item(
-            uow: UnitOfWork,
-            session: WorkerSession,
-            snapshot: Snapshot,
-            index: int,
-            now_ms: int,
-            writes: list[tuple[Snapshot, Change]],
-        ) -> ItemResult:
-            done = completions[index]
-            fence = done.fence
-            assert snapshot.attempt is not None
-            lease = self._held(snapshot, session, fence)
+        def item(it: _BatchItem) -> ItemResult:
+            done = completions[it.index]
             try:
                 change = complete(
-                    run=snapshot.run,
-                    attempt=snapshot.attempt,
-                    lease=lease,
-                    fence=fence,
+                    run=it.snapshot.run,
+                    attempt=it.attempt,
+                    lease=it.lease,
+                    fence=it.fence,
                     succeeded=done.succeeded,
                     output=done.output,
                     error=done.error,
-                    now_ms=now_ms,
+                    now_ms=it.now_ms,
                 )
             except FenceRejected:
-                if self._already_completed(snapshot, fence, done.succeeded):
+                if self._already_completed(it.snapshot, it.fence, done.succeeded):
                     return ItemResult(
-                        attempt_id=fence.attempt_id, outcome=BatchOutcome.ALREADY_COMPLETED
+                        attempt_id=it.fence.attempt_id, outcome=BatchOutcome.ALREADY_COMPLETED
                     )
                 raise
-            writes.append((snapshot, change))
+            it.writes.append((it.snapshot, change))
             outcome = BatchOutcome.SUCCEEDED if done.succeeded else BatchOutcome.FAILED
-            return ItemResult(attempt_id=fence.attempt_id, outcome=outcome)
+            return ItemResult(attempt_id=it.fence.attempt_id, outcome=outcome)
 
-        return self._batch(session_id, secret, [c.fence.attempt_id for c in completions], item)
+        return self._batch(session_id, secret, [c.fence for c in completions], item)
 
     def abandon_many(
         self, session_id: str, secret: str, abandonments: Sequence[Abandonment]
@@ -541,30 +531,17 @@ class WorkerCommands:
         longer open). A live lease is released at once (``lost``); an expired one keeps the
         report as not-running evidence for recovery (``recorded``)."""
 
-        def item(
-            uow: UnitOfWork,
-            session: WorkerSession,
-            snapshot: Snapshot,
-            index: int,
-            now_ms: int,
-            writes: list[tuple[Snapshot, Change]],
-        ) -> ItemResult:
-            gone = abandonments[index]
-            fence = gone.fence
-            assert snapshot.attempt is not None
-            lease = self._held(snapshot, session, fence)
-            detail = gone.detail[:MAX_DETAIL_LENGTH]
-            change, recorded = self._abandonment(uow, snapshot, lease, fence, detail, now_ms)
-            writes.append((snapshot, change))
+        def item(it: _BatchItem) -> ItemResult:
+            detail = abandonments[it.index].detail[:MAX_DETAIL_LENGTH]
+            change, recorded = self._abandonment(
+                it.uow, it.snapshot, it.lease, it.fence, detail, it.now_ms
+            )
+            it.writes.append((it.snapshot, change))
             outcome = BatchOutcome.RECORDED if recorded else BatchOutcome.LOST
-            return ItemResult(attempt_id=fence.attempt_id, outcome=outcome)
+            return ItemResult(attempt_id=it.fence.attempt_id, outcome=outcome)
 
         return self._batch(
-            session_id,
-            secret,
-            [a.fence.attempt_id for a in abandonments],
-            item,
-            allow_closed=True,
+            session_id, secret, [a.fence for a in abandonments], item, allow_closed=True
         )
 
     def _start_one(
@@ -576,8 +553,8 @@ class WorkerCommands:
         now_ms: int,
         writes: list[tuple[Snapshot, Change]],
     ) -> ItemResult:
-        """Decide every step first (pure), then persist them in order."""
-        self._held(snapshot, session, fence)
+        """Decide every step first (pure); the batch persists them in order. The batch has
+        checked that ``session`` holds the lease."""
         changes: list[tuple[Snapshot, Change]] = []
         current = snapshot
         lease = current.lease
@@ -701,14 +678,12 @@ class WorkerCommands:
         self,
         session_id: str,
         secret: str,
-        attempt_ids: Sequence[str],
-        item: Callable[
-            [UnitOfWork, WorkerSession, Snapshot, int, int, list[tuple[Snapshot, Change]]],
-            ItemResult,
-        ],
+        fences: Sequence[LeaseFence],
+        item: Callable[[_BatchItem], ItemResult],
         *,
         allow_closed: bool = False,
     ) -> BatchAnswer:
+        attempt_ids = [fence.attempt_id for fence in fences]
         if not 1 <= len(attempt_ids) <= MAX_BATCH_ITEMS:
             raise InvalidAdmission(f"a batch holds 1..{MAX_BATCH_ITEMS} items")
         if len(set(attempt_ids)) != len(attempt_ids):
@@ -730,8 +705,23 @@ class WorkerCommands:
             writes: list[tuple[Snapshot, Change]] = []
             for index, snapshot in sorted(snapshots.items()):
                 mark = len(writes)
+                fence = fences[index]
                 try:
-                    results[index] = item(uow, session, snapshot, index, now_ms, writes)
+                    assert snapshot.attempt is not None
+                    lease = self._held(snapshot, session, fence)
+                    results[index] = item(
+                        _BatchItem(
+                            uow=uow,
+                            session=session,
+                            snapshot=snapshot,
+                            attempt=snapshot.attempt,
+                            lease=lease,
+                            fence=fence,
+                            index=index,
+                            now_ms=now_ms,
+                            writes=writes,
+                        )
+                    )
                 except (DomainError, UnknownAttempt) as error:
                     del writes[mark:]
                     results[index] = _rejected(attempt_ids[index], error)

@@ -57,8 +57,10 @@ class Workflows:
     def submit(self, workflow: WorkflowSpec | Mapping[str, object]) -> str:
         """Admit a workflow (a :class:`WorkflowSpec` or its JSON document) and return the id
         of its aggregate Run. A refused DAG raises ``InvalidWorkflow`` and writes nothing."""
-        spec = workflow if isinstance(workflow, WorkflowSpec) else workflow_from_document(
-            dict(workflow)
+        spec = (
+            workflow
+            if isinstance(workflow, WorkflowSpec)
+            else workflow_from_document(dict(workflow))
         )
         with self._uow_factory() as uow:
             submitted = submit_workflow(
@@ -136,9 +138,7 @@ def advance_workflow(
             if run is not None:
                 step_runs[run.id] = run
     now_ms = uow.now_ms()
-    decision = decide_frontier(
-        workflow=workflow, steps=steps, step_runs=step_runs, now_ms=now_ms
-    )
+    decision = decide_frontier(workflow=workflow, steps=steps, step_runs=step_runs, now_ms=now_ms)
     if not decision.changes_anything:
         return FrontierOutcome()
     for before, after in decision.settle:

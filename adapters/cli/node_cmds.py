@@ -28,26 +28,49 @@ def _configure_logging(level: str) -> None:
 
 @click.command()
 @click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True,
-              help="0 picks a free port (printed when ready).")
-@click.option("--cadence", type=positive, default=1.0, show_default=True,
-              help="Seconds between scheduler cycles.")
-@click.option("--lease-ttl", type=positive, default=30.0, show_default=True,
-              help="Seconds a dispatch lease lives without renewal.")
-@click.option("--session-silence", type=positive, default=None,
-              help="Seconds without heartbeat after which a session gets no offers "
-              "[default: the lease TTL].")
+@click.option(
+    "--port",
+    type=click.IntRange(0, 65535),
+    default=8080,
+    show_default=True,
+    help="0 picks a free port (printed when ready).",
+)
+@click.option(
+    "--cadence",
+    type=positive,
+    default=1.0,
+    show_default=True,
+    help="Seconds between scheduler cycles.",
+)
+@click.option(
+    "--lease-ttl",
+    type=positive,
+    default=30.0,
+    show_default=True,
+    help="Seconds a dispatch lease lives without renewal.",
+)
+@click.option(
+    "--session-silence",
+    type=positive,
+    default=None,
+    help="Seconds without heartbeat after which a session gets no offers [default: the lease TTL].",
+)
 @click.option("--dispatch-page-size", type=click.IntRange(1, 64), default=16, show_default=True)
-@click.option("--max-body-bytes", type=click.IntRange(1024), default=1024 * 1024,
-              show_default=True)
-@click.option("--database-url", "database_url", default=None,
-              help="Defaults to $QL3_DATABASE_URL.")
-@click.option("--ingress-database-url", default=None,
-              help="The ingress's own role [default: $QL3_INGRESS_DATABASE_URL, else the "
-              "node's database URL].")
+@click.option("--max-body-bytes", type=click.IntRange(1024), default=1024 * 1024, show_default=True)
+@click.option("--database-url", "database_url", default=None, help="Defaults to $QL3_DATABASE_URL.")
+@click.option(
+    "--ingress-database-url",
+    default=None,
+    help="The ingress's own role [default: $QL3_INGRESS_DATABASE_URL, else the "
+    "node's database URL].",
+)
 @click.option("--access-log", is_flag=True, help="Log each request (method, path, status).")
-@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
-              default="info", show_default=True)
+@click.option(
+    "--log-level",
+    type=click.Choice(["debug", "info", "warning", "error"]),
+    default="info",
+    show_default=True,
+)
 def serve(
     host: str,
     port: int,
@@ -96,7 +119,11 @@ def serve(
 
     try:
         started = node.serve(
-            container, sock, on_ready=ready, access_log=access_log, log_level=log_level,
+            container,
+            sock,
+            on_ready=ready,
+            access_log=access_log,
+            log_level=log_level,
             run_startup_recovery=False,
         )
     finally:
@@ -107,28 +134,61 @@ def serve(
 
 @click.command()
 @click.option("--ingress", "ingress_url", required=True, help="The node's URL, http://HOST:PORT.")
-@click.option("--app", "app_spec", required=True,
-              help="MODULE:ATTR, a mapping of task names to callables.")
-@click.option("--worker-id", required=True,
-              help="Names one execution slot group: a restarted process reuses it, and its "
-              "registration tells the runtime that the old process is gone. Never run two "
-              "processes with one worker id.")
-@click.option("--concurrency", type=click.IntRange(1, 1024), default=1, show_default=True,
-              help="Tasks run at once, each in its own child process.")
-@click.option("--prefetch", type=click.IntRange(0, 1023), default=0, show_default=True,
-              help="Attempts accepted beyond the free slots and queued here until a slot "
-              "frees; the session asks for concurrency + prefetch. Raises the throughput of "
-              "short tasks (try 4 x concurrency). Queued attempts never started: a drain hands "
-              "them back and a crash leaves them to recovery, and either way the runtime "
-              "retries them only as their retry policy allows. 0 disables it.")
-@click.option("--drain-timeout", type=positive, default=30.0, show_default=True,
-              help="Seconds a drain waits for running tasks before stopping them.")
-@click.option("--poll-interval", type=positive, default=0.5, show_default=True,
-              help="Longest wait between asks for work while a slot is free.")
-@click.option("--register-timeout", type=positive, default=30.0, show_default=True,
-              help="Seconds to keep trying to reach the ingress at start.")
-@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
-              default="info", show_default=True)
+@click.option(
+    "--app", "app_spec", required=True, help="MODULE:ATTR, a mapping of task names to callables."
+)
+@click.option(
+    "--worker-id",
+    required=True,
+    help="Names one execution slot group: a restarted process reuses it, and its "
+    "registration tells the runtime that the old process is gone. Never run two "
+    "processes with one worker id.",
+)
+@click.option(
+    "--concurrency",
+    type=click.IntRange(1, 1024),
+    default=1,
+    show_default=True,
+    help="Tasks run at once, each in its own child process.",
+)
+@click.option(
+    "--prefetch",
+    type=click.IntRange(0, 1023),
+    default=0,
+    show_default=True,
+    help="Attempts accepted beyond the free slots and queued here until a slot "
+    "frees; the session asks for concurrency + prefetch. Raises the throughput of "
+    "short tasks (try 4 x concurrency). Queued attempts never started: a drain hands "
+    "them back and a crash leaves them to recovery, and either way the runtime "
+    "retries them only as their retry policy allows. 0 disables it.",
+)
+@click.option(
+    "--drain-timeout",
+    type=positive,
+    default=30.0,
+    show_default=True,
+    help="Seconds a drain waits for running tasks before stopping them.",
+)
+@click.option(
+    "--poll-interval",
+    type=positive,
+    default=0.5,
+    show_default=True,
+    help="Longest wait between asks for work while a slot is free.",
+)
+@click.option(
+    "--register-timeout",
+    type=positive,
+    default=30.0,
+    show_default=True,
+    help="Seconds to keep trying to reach the ingress at start.",
+)
+@click.option(
+    "--log-level",
+    type=click.Choice(["debug", "info", "warning", "error"]),
+    default="info",
+    show_default=True,
+)
 def worker(
     ingress_url: str,
     app_spec: str,

@@ -100,8 +100,13 @@ class ApiError(Exception):
         self.reason = reason
 
 
-def _error_response(status_code: int, error: str, message: str, reason: str | None = None,
-                    headers: Mapping[str, str] | None = None) -> JSONResponse:
+def _error_response(
+    status_code: int,
+    error: str,
+    message: str,
+    reason: str | None = None,
+    headers: Mapping[str, str] | None = None,
+) -> JSONResponse:
     body = ErrorBody(error=error, message=message, reason=reason)
     return JSONResponse(
         body.model_dump(exclude_none=True),
@@ -205,9 +210,7 @@ def create_app(
     @app.exception_handler(ApiError)
     async def api_error(_request: Request, error: ApiError) -> JSONResponse:
         headers = {"WWW-Authenticate": "Bearer"} if error.status_code == 401 else None
-        return _error_response(
-            error.status_code, error.error, error.message, error.reason, headers
-        )
+        return _error_response(error.status_code, error.error, error.message, error.reason, headers)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_request: Request, error: RequestValidationError) -> JSONResponse:
@@ -369,8 +372,11 @@ def create_app(
             wake()
         return answer
 
-    batch: dict[str, Any] = {"response_model": BatchResponse, "responses": _ERRORS,
-                             "tags": ["batches"]}
+    batch: dict[str, Any] = {
+        "response_model": BatchResponse,
+        "responses": _ERRORS,
+        "tags": ["batches"],
+    }
 
     @app.post("/v1/sessions/{session_id}/accept", **batch)
     def accept_batch(session_id: SessionId, secret: Secret, body: FenceBatch) -> BatchResponse:
@@ -393,9 +399,7 @@ def create_app(
         return _batch_body(renew(session_id, secret, body.items))
 
     @app.post("/v1/sessions/{session_id}/complete", **batch)
-    def complete_batch(
-        session_id: SessionId, secret: Secret, body: CompleteBatch
-    ) -> BatchResponse:
+    def complete_batch(session_id: SessionId, secret: Secret, body: CompleteBatch) -> BatchResponse:
         """Report outcomes: succeeded with an output, or failed with an error."""
         return _batch_body(complete(session_id, secret, [(i.attempt_id, i) for i in body.items]))
 
@@ -406,8 +410,11 @@ def create_app(
 
     # --- one attempt at a time -------------------------------------------------------------
 
-    single: dict[str, Any] = {"responses": _ERRORS, "tags": ["attempts"],
-                              "response_model": ItemResultBody}
+    single: dict[str, Any] = {
+        "responses": _ERRORS,
+        "tags": ["attempts"],
+        "response_model": ItemResultBody,
+    }
     prefix = "/v1/sessions/{session_id}/attempts/{attempt_id}"
 
     def one(attempt_id: str, body: FenceBody) -> list[FenceItem]:

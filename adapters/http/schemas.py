@@ -124,8 +124,10 @@ class AbandonBatch(_Request):
 
 class ItemResultBody(BaseModel):
     attempt_id: str
-    status: int = Field(description="200, or the status a single call would have got: 404, "
-                        "409 or 422. A refused item changed nothing.")
+    status: int = Field(
+        description="200, or the status a single call would have got: 404, "
+        "409 or 422. A refused item changed nothing."
+    )
     outcome: str | None = None
     expires_at_ms: int | None = None
     error: str | None = None

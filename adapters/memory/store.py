@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 from attrs import evolve
 
+from adapters.batches import OneAtATime
 from adapters.memory import scheduling
 from adapters.memory.clock import FakeClock
 from application.ports import (
@@ -309,7 +310,7 @@ class MemoryUnitOfWork:
             raise RuntimeError("use the unit of work inside its `with` block")
 
 
-class MemoryRunRepository:
+class MemoryRunRepository(OneAtATime):
     def __init__(self, uow: MemoryUnitOfWork) -> None:
         self._uow = uow
 
@@ -338,15 +339,6 @@ class MemoryRunRepository:
         if run is None:
             return None
         return state.snapshot(run, attempt)
-
-    def lock_attempts(self, attempt_ids: Sequence[str]) -> list[Snapshot | None]:
-        return [self.lock_attempt(attempt_id) for attempt_id in attempt_ids]
-
-    def apply_many(self, writes: Sequence[tuple[Snapshot, Change]]) -> None:
-        # One after the other: a refusal leaves the earlier ones written, and the caller then
-        # rolls the unit of work back (the port's promise is all or nothing per transaction).
-        for before, change in writes:
-            self.apply(before, change)
 
     def lock_run(self, run_id: str) -> Snapshot | None:
         state = self._uow.read()

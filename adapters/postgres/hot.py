@@ -1,4 +1,4 @@
-"""Hand-written SQL for the store's hot paths: locking one Attempt, and applying one Change.
+"""Hand-written SQL for the store's hot paths: locking Attempts, and applying Changes.
 
 Recovery, lost retry and every worker command go through these two steps, once per candidate or
 command. Built as SQLAlchemy Core statements they cost more CPU than the database spends on them,
@@ -10,9 +10,13 @@ so here each is one plain SQL text, generated once per shape from the same table
   reports and the store's clock, all in one statement. The lock is taken first: the row locks
   sit in a ``LATERAL`` subquery that depends on its result, so PostgreSQL cannot run them before
   it, and when a try-lock fails the subquery is skipped without touching a row.
-- :func:`apply_sql` writes a whole Change as one statement of data-modifying CTEs. Every write is
+- :func:`apply_statement` writes a whole Change as one statement of data-modifying CTEs. Every write is
   gated on one ``ok`` row that re-checks all the compare-and-set predicates together, so either
   all of the Change is written or none of it; the counts it returns tell which.
+- :func:`apply_many_sql` writes a batch of Changes (worker command batches, a session's offers)
+  as one statement of fixed shape, the rows as parallel arrays, gated the same way. It serves one
+  Change too, but at about twice the client CPU of :func:`apply_statement` (every column of every
+  table travels as an array), so a single Change keeps its own statement.
 
 Time columns travel as integer epoch milliseconds (``floor(extract(epoch ...) * 1000)`` on the
 way out, aware datetimes on the way in), as :class:`adapters.sql.schema.EpochMillis` does for the
@@ -358,10 +362,6 @@ def apply_statement(
     return statement
 
 
-def report_from_json(value: Mapping[str, Any]) -> Any:
-    return rows.report_from_row(value)
-
-
 # --- apply many ---------------------------------------------------------------------------------
 #
 # A batch of Changes as one statement of fixed shape: per table, the rows travel as parallel
@@ -394,8 +394,10 @@ def _unnest(name: str, table: Table, columns: Sequence[tuple[str, str]]) -> str:
     return f"v_{name} AS (SELECT * FROM unnest({arrays}) AS v({aliases}))"
 
 
-def _written(table: Table, keys: Sequence[str]) -> list[str]:
-    return [c.name for c in table.columns if c.name not in keys and not _is_identity(c)]
+@cache
+def _written(table: Table, keys: tuple[str, ...]) -> tuple[str, ...]:
+    """The columns a statement writes: all but the key and the store-assigned identity."""
+    return tuple(c.name for c in table.columns if c.name not in keys and not _is_identity(c))
 
 
 def _is_identity(column: Column[Any]) -> bool:

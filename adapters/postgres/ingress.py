@@ -60,6 +60,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.pool import QueuePool
 from sqlalchemy.sql.elements import BindParameter
 
+from adapters.batches import OneAtATime
 from adapters.postgres import queries
 from adapters.postgres.queries import ADVISORY_LOCK_NAMESPACE
 from adapters.sql import rows, statements
@@ -319,7 +320,7 @@ class PostgresIngressUnitOfWork:
 # --- repositories ------------------------------------------------------------------------------
 
 
-class IngressRunRepository(SqlRunReads[PostgresIngressUnitOfWork]):
+class IngressRunRepository(OneAtATime, SqlRunReads[PostgresIngressUnitOfWork]):
     queries = queries
 
     def add(self, change: Change) -> None:
@@ -354,15 +355,6 @@ class IngressRunRepository(SqlRunReads[PostgresIngressUnitOfWork]):
             attempt=rows.attempt_from_row(row, ATTEMPT_COLUMNS),
             lease=lease,
         )
-
-    def lock_attempts(self, attempt_ids: Sequence[str]) -> list[Snapshot | None]:
-        return [self.lock_attempt(attempt_id) for attempt_id in attempt_ids]
-
-    def apply_many(self, writes: Sequence[tuple[Snapshot, Change]]) -> None:
-        # One after the other: a refusal leaves the earlier ones written, and the caller then
-        # rolls the unit of work back (the port's promise is all or nothing per transaction).
-        for before, change in writes:
-            self.apply(before, change)
 
     def lock_run(self, run_id: str) -> Snapshot | None:
         _not_permitted("lock runs (recovery and lost retry run on the runtime's own store)")

@@ -105,11 +105,7 @@ def update_trigger(before: Trigger, after: Trigger) -> Update:
     """Fenced on the version the transaction read."""
     t = triggers.c
     values = {k: v for k, v in trigger_values(after).items() if k != "id"}
-    return (
-        sql_update(triggers)
-        .where(t.id == before.id, t.version == before.version)
-        .values(values)
-    )
+    return sql_update(triggers).where(t.id == before.id, t.version == before.version).values(values)
 
 
 def get_trigger(trigger_id: str) -> Select:
@@ -194,9 +190,7 @@ class SqlTriggerRepository:
         if after.id != before.id:
             raise ValueError("a trigger update must name the same trigger before and after")
         statement = update_trigger(before, after)
-        self._tx.atomically(
-            lambda: self._tx.compare_and_set(statement, f"trigger {before.name!r}")
-        )
+        self._tx.atomically(lambda: self._tx.compare_and_set(statement, f"trigger {before.name!r}"))
 
     def list_triggers(self, *, include_deleted: bool = False) -> Sequence[Trigger]:
         result = self._tx.execute(list_triggers(include_deleted)).mappings()

@@ -94,9 +94,7 @@ def update_step(before: WorkflowStep, after: WorkflowStep) -> Update:
     """Fenced on the status and run id the transaction read."""
     s = workflow_steps.c
     values = {
-        k: v
-        for k, v in step_values(after).items()
-        if k not in ("workflow_run_id", "step_id")
+        k: v for k, v in step_values(after).items() if k not in ("workflow_run_id", "step_id")
     }
     return (
         update(workflow_steps)
@@ -128,12 +126,9 @@ def workflow_candidates_query(limit: int, now: ColumnElement[int]) -> Select:
         s.status == _const(StepStatus.ADMITTED.value),
         _in(step_run.c.status, NOT_STARTED_RUN_STATUSES),
     )
-    waiting = (
-        select(runs.c.id.label("workflow_run_id"))
-        .where(
-            runs.c.status == _const(RunStatus.CREATED.value),
-            runs.c.owner == _const(RunOwner.WORKFLOW.value),
-        )
+    waiting = select(runs.c.id.label("workflow_run_id")).where(
+        runs.c.status == _const(RunStatus.CREATED.value),
+        runs.c.owner == _const(RunOwner.WORKFLOW.value),
     )
     finished_steps = (
         select(s.workflow_run_id)

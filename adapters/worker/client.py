@@ -198,9 +198,7 @@ class IngressClient:
     def renew(self, fences: Sequence[Fence]) -> BatchResult:
         return self._batch("renew", [f.body() for f in fences])
 
-    def complete(
-        self, items: Sequence[tuple[Fence, bool, JsonValue, str | None]]
-    ) -> BatchResult:
+    def complete(self, items: Sequence[tuple[Fence, bool, JsonValue, str | None]]) -> BatchResult:
         return self._batch(
             "complete",
             [

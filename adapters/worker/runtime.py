@@ -96,9 +96,7 @@ class WorkerSettings:
         if not 1 <= self.concurrency <= MAX_CAPACITY:
             raise ValueError(f"concurrency must be within 1..{MAX_CAPACITY}")
         if not 0 <= self.prefetch <= MAX_CAPACITY - self.concurrency:
-            raise ValueError(
-                f"prefetch must be within 0..{MAX_CAPACITY} minus the concurrency"
-            )
+            raise ValueError(f"prefetch must be within 0..{MAX_CAPACITY} minus the concurrency")
         if not self.tasks:
             raise ValueError("a worker needs at least one task")
         for name, value in (
@@ -267,9 +265,7 @@ class Worker:
         self._drain_requested.set()
         self._events.put(("wake",))
 
-    def _on_done(
-        self, slot: _Slot, attempt_id: str, outcome: JobOutcome, reusable: bool
-    ) -> None:
+    def _on_done(self, slot: _Slot, attempt_id: str, outcome: JobOutcome, reusable: bool) -> None:
         """A slot's job ended (called from the slot's thread)."""
         with self._lock:
             if reusable:
@@ -289,9 +285,7 @@ class Worker:
 
     def run(self) -> int:
         watchdog = threading.Thread(target=self._watch, name="ql3-watchdog", daemon=True)
-        activator = threading.Thread(
-            target=self._activations, name="ql3-activator", daemon=True
-        )
+        activator = threading.Thread(target=self._activations, name="ql3-activator", daemon=True)
         try:
             self._start_slots()
             self._register()
@@ -548,9 +542,7 @@ class Worker:
                     held.stop_reason = "never ran: the answer to its start was lost"
                 else:
                     self._held.pop(held.fence.attempt_id, None)
-                    log.info(
-                        "attempt %s not started: %s", held.fence.attempt_id, _why(item)
-                    )
+                    log.info("attempt %s not started: %s", held.fence.attempt_id, _why(item))
         for held in started:
             assert held.slot is not None
             held.slot.jobs.put(held.job())
@@ -562,9 +554,7 @@ class Worker:
         try:
             answer = self._client.accept([h.fence for h in entries])
         except IngressUnavailable as error:
-            log.warning(
-                "accepting %d offer(s) got no answer, will repeat: %s", len(entries), error
-            )
+            log.warning("accepting %d offer(s) got no answer, will repeat: %s", len(entries), error)
             self._mark_unanswered(entries, sent, error)
             return
         with self._lock:

@@ -41,6 +41,7 @@ from sqlalchemy import BigInteger, ColumnElement, Connection, Engine, create_eng
 from sqlalchemy.pool import StaticPool
 from sqlalchemy.sql import Executable
 
+from adapters.batches import OneAtATime
 from adapters.sql import rows, statements
 from adapters.sql.capacity import SqlCapacityLocks, in_flight_by_task
 from adapters.sql.repositories import (
@@ -186,7 +187,7 @@ class SqliteUnitOfWork(ConnectionTransaction):
 # --- repositories ------------------------------------------------------------------------------
 
 
-class SqliteRunRepository(SqlRunRepository[SqliteUnitOfWork]):
+class SqliteRunRepository(OneAtATime, SqlRunRepository[SqliteUnitOfWork]):
     queries = queries
 
     def add(self, change: Change) -> None:
@@ -202,15 +203,6 @@ class SqliteRunRepository(SqlRunRepository[SqliteUnitOfWork]):
         run = rows.run_from_row(row, RUN_COLUMNS)
         attempt = rows.attempt_from_row(row, ATTEMPT_COLUMNS)
         return Snapshot(run=run, attempt=attempt, lease=self._lease(run.id, attempt))
-
-    def lock_attempts(self, attempt_ids: Sequence[str]) -> list[Snapshot | None]:
-        return [self.lock_attempt(attempt_id) for attempt_id in attempt_ids]
-
-    def apply_many(self, writes: Sequence[tuple[Snapshot, Change]]) -> None:
-        # One after the other: a refusal leaves the earlier ones written, and the caller then
-        # rolls the unit of work back (the port's promise is all or nothing per transaction).
-        for before, change in writes:
-            self.apply(before, change)
 
     def lock_run(self, run_id: str) -> Snapshot | None:
         found = self._uow.execute(statements.latest_attempt_of(run_id)).first()
