@@ -10,9 +10,9 @@ so here each is one plain SQL text, generated once per shape from the same table
   reports and the store's clock, all in one statement. The lock is taken first: the row locks
   sit in a ``LATERAL`` subquery that depends on its result, so PostgreSQL cannot run them before
   it, and when a try-lock fails the subquery is skipped without touching a row.
-- :func:`apply_statement` writes a whole Change as one statement of data-modifying CTEs. Every write is
-  gated on one ``ok`` row that re-checks all the compare-and-set predicates together, so either
-  all of the Change is written or none of it; the counts it returns tell which.
+- :func:`apply_statement` writes a whole Change as one statement of data-modifying CTEs. Every
+  write is gated on one ``ok`` row that re-checks all the compare-and-set predicates together, so
+  either all of the Change is written or none of it; the counts it returns tell which.
 - :func:`apply_many_sql` writes a batch of Changes (worker command batches, a session's offers)
   as one statement of fixed shape, the rows as parallel arrays, gated the same way. It serves one
   Change too, but at about twice the client CPU of :func:`apply_statement` (every column of every
