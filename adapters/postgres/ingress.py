@@ -47,7 +47,6 @@ from sqlalchemy import (
     Text,
     TextClause,
     bindparam,
-    create_engine,
     func,
     literal_column,
     or_,
@@ -57,11 +56,11 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.engine import make_url
-from sqlalchemy.pool import QueuePool
 from sqlalchemy.sql.elements import BindParameter
 
 from adapters.batches import OneAtATime
 from adapters.postgres import queries
+from adapters.postgres.engine import pooled_engine
 from adapters.postgres.queries import ADVISORY_LOCK_NAMESPACE
 from adapters.sql import rows, statements
 from adapters.sql.repositories import SqlRunReads, SqlSessionReads
@@ -518,15 +517,9 @@ class PostgresIngressStore:
         """A store on ``url``, which names the ingress role (``ql3 db grant-ingress``); a bare
         ``postgresql://`` gets the psycopg driver. The schema must be at ``0002_ingress`` or
         later (``ql3 db upgrade``, run as the schema's owner)."""
-        engine = create_engine(
-            _driver_url(url),
-            poolclass=QueuePool,
-            pool_size=pool_size,
-            max_overflow=0,
-            pool_pre_ping=True,
-            hide_parameters=True,  # the functions' parameters carry secret and token hashes
-            isolation_level="READ COMMITTED",
-        )
+        # Parameters are hidden from errors: the functions' parameters carry secret and
+        # token hashes.
+        engine = pooled_engine(_driver_url(url), pool_size=pool_size)
         return cls(engine)
 
     def unit_of_work(self) -> PostgresIngressUnitOfWork:

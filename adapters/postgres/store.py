@@ -21,15 +21,15 @@ from typing import TYPE_CHECKING, Any, cast
 
 import psycopg
 from psycopg.rows import dict_row
-from sqlalchemy import Connection, Engine, create_engine, text
+from sqlalchemy import Connection, Engine, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError
-from sqlalchemy.pool import QueuePool
 from sqlalchemy.sql import Executable
 
 from adapters.postgres import hot, queries
 from adapters.postgres import triggers as trigger_pages
 from adapters.postgres import workflows as workflow_pages
+from adapters.postgres.engine import pooled_engine
 from adapters.postgres.queries import (
     ADVISORY_LOCK_NAMESPACE,
     available_sessions_query,
@@ -423,14 +423,10 @@ class PostgresStore:
             from adapters.postgres.migrate import upgrade
 
             upgrade(driver_url)
-        engine = create_engine(
+        # Parameters are hidden: errors reach cycle summaries and logs, and no token may.
+        engine = pooled_engine(
             driver_url,
-            poolclass=QueuePool,
             pool_size=pool_size,
-            max_overflow=0,
-            pool_pre_ping=True,
-            hide_parameters=True,  # errors reach cycle summaries and logs: no tokens in them
-            isolation_level="READ COMMITTED",
             # Every statement of the store looks rows up by key or walks a partial index whose
             # predicate is a constant: one generic plan per prepared statement serves all
             # parameter values, and skips planning on each execution.

@@ -23,6 +23,7 @@ import psycopg
 import pytest
 from sqlalchemy.engine import URL, make_url
 
+from adapters.postgres.engine import connection_ended
 from adapters.postgres.migrate import upgrade
 from adapters.postgres.store import PostgresStore
 from application.scheduler import CycleSummary
@@ -334,7 +335,7 @@ def test_terminated_connections_between_cycles_are_replaced(
         assert terminate_all_but(observer, dbname, set()) >= 1
 
     store_of(cluster).testing_advance_clock(PAST_THE_TTL_MS)
-    # pool_pre_ping notices the dead connections at checkout and replaces them.
+    # The pool sees at checkout that the server ended them, and replaces them.
     assert_recovers_all(cluster.coordinator().run_cycle(), pg_database_url, seeded)
 
 
@@ -437,3 +438,21 @@ def test_server_restart_between_cycles(restartable_server: RestartableServer) ->
         assert_recovers_all(summaries[-1], url, seeded)
     finally:
         store_of(container).close()
+
+
+def test_a_pooled_connection_the_server_ended_is_seen_without_a_round_trip(
+    cluster: ClusterContainer, pg_database_url: str
+) -> None:
+    store = store_of(cluster)
+    store.engine.dispose()  # one connection in the pool: the next checkout must meet it again
+    with store.engine.connect() as connection:
+        raw = connection.connection.driver_connection
+        pid = int(connection.exec_driver_sql("SELECT pg_backend_pid()").scalar_one())
+        connection.rollback()
+        assert not connection_ended(raw)
+    with connect(pg_database_url) as observer:
+        observer.execute("SELECT pg_terminate_backend(%s, 5000)", (pid,))
+    assert connection_ended(raw)
+    # The pool hands out a live connection in its place, on a new backend.
+    with store.engine.connect() as connection:
+        assert int(connection.exec_driver_sql("SELECT pg_backend_pid()").scalar_one()) != pid
