@@ -168,8 +168,9 @@ class WorkerSessionRegistry(Protocol):
     def update(self, before: WorkerSession, after: WorkerSession) -> None:
         """Compare-and-set on the session's status."""
 
-    def offers_of(self, session_id: str) -> Sequence[tuple[Attempt, DispatchLease]]:
-        """Attempts leased to this session that are still ``claimed`` and not accepted."""
+    def offers_of(self, session_id: str) -> Sequence[tuple[Run, Attempt, DispatchLease]]:
+        """Attempts leased to this session that are still ``claimed`` and not accepted, each
+        with its Run and lease, oldest grant first."""
 
 
 class EvidenceRepository(Protocol):

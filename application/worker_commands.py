@@ -730,25 +730,20 @@ class WorkerCommands:
         return BatchAnswer(now_ms=now_ms, results=tuple(r for r in results if r is not None))
 
     def _offers_of(self, uow: UnitOfWork, session_id: str) -> list[Offer]:
-        offers = []
-        for attempt, lease in uow.sessions.offers_of(session_id):
-            run = uow.runs.get_run(attempt.run_id)
-            if run is None:
-                continue
-            offers.append(
-                Offer(
-                    run_id=run.id,
-                    attempt_id=attempt.id,
-                    attempt_number=attempt.number,
-                    task=run.task,
-                    input=run.input,
-                    generation=lease.generation,
-                    version=lease.version,
-                    expires_at_ms=lease.expires_at_ms,
-                    idempotency_key=run.id,
-                )
+        return [
+            Offer(
+                run_id=run.id,
+                attempt_id=attempt.id,
+                attempt_number=attempt.number,
+                task=run.task,
+                input=run.input,
+                generation=lease.generation,
+                version=lease.version,
+                expires_at_ms=lease.expires_at_ms,
+                idempotency_key=run.id,
             )
-        return offers
+            for run, attempt, lease in uow.sessions.offers_of(session_id)
+        ]
 
     # --- helpers ------------------------------------------------------------------------------
 

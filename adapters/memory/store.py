@@ -464,9 +464,9 @@ class MemorySessionRegistry:
         self._check_one_open_per_worker(state, after)
         self._uow.write().sessions[after.id] = after
 
-    def offers_of(self, session_id: str) -> Sequence[tuple[Attempt, DispatchLease]]:
+    def offers_of(self, session_id: str) -> Sequence[tuple[Run, Attempt, DispatchLease]]:
         state = self._uow.read()
-        offers: list[tuple[Attempt, DispatchLease]] = []
+        offers: list[tuple[Run, Attempt, DispatchLease]] = []
         for lease in state.leases.values():
             if (
                 lease.status is not LeaseStatus.LEASED
@@ -476,8 +476,8 @@ class MemorySessionRegistry:
                 continue
             attempt = state.attempts.get(lease.attempt_id)
             if attempt is not None and attempt.status is AttemptStatus.CLAIMED:
-                offers.append((attempt, lease))
-        offers.sort(key=lambda pair: (pair[1].granted_at_ms, pair[0].id))
+                offers.append((state.runs[attempt.run_id], attempt, lease))
+        offers.sort(key=lambda offer: (offer[2].granted_at_ms, offer[1].id))
         return tuple(offers)
 
     @staticmethod

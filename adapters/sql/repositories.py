@@ -112,10 +112,11 @@ class SqlSessionReads(Generic[R]):
         result = self._uow.execute(self.queries.open_sessions_of(worker_id)).mappings()
         return tuple(rows.session_from_row(row) for row in result)
 
-    def offers_of(self, session_id: str) -> Sequence[tuple[Attempt, DispatchLease]]:
+    def offers_of(self, session_id: str) -> Sequence[tuple[Run, Attempt, DispatchLease]]:
         result = self._uow.execute(self.queries.offers_of(session_id)).mappings()
         return tuple(
             (
+                rows.run_from_row(row, statements.RUN_COLUMNS),
                 rows.attempt_from_row(row, statements.ATTEMPT_COLUMNS),
                 rows.lease_from_row(row, statements.LEASE_COLUMNS),
             )

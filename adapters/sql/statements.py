@@ -314,12 +314,16 @@ def open_sessions_of(worker_id: str, spelling: Spelling) -> Select:
 
 
 def offers_of(session_id: str, spelling: Spelling) -> Select:
-    """The session's leased offers not yet accepted, Attempt and lease side by side."""
+    """The session's leased offers not yet accepted: Run, Attempt and lease side by side."""
     a = run_attempts.c
     l = run_dispatch_leases.c  # noqa: E741
     return (
-        select(*attempt_columns(), *lease_columns())
-        .select_from(run_dispatch_leases.join(run_attempts, a.id == l.attempt_id))
+        select(*run_columns(), *attempt_columns(), *lease_columns())
+        .select_from(
+            run_dispatch_leases.join(run_attempts, a.id == l.attempt_id).join(
+                runs, runs.c.id == a.run_id
+            )
+        )
         .where(
             spelling.is_(l.status, LeaseStatus.LEASED),
             l.holder_session_id == session_id,

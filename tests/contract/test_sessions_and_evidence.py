@@ -138,14 +138,15 @@ def test_offers_of_lists_unaccepted_offers_of_that_session(
 
     with store.unit_of_work() as uow:
         offers = list(uow.sessions.offers_of("s1"))
-        assert [attempt.id for attempt, _ in offers] == [r3, r1]
-        for attempt, lease in offers:
+        assert [attempt.id for _, attempt, _ in offers] == [r3, r1]
+        for run, attempt, lease in offers:
+            assert run == uow.runs.get_run(attempt.run_id)
             assert lease.attempt_id == attempt.id
             assert lease.holder_session_id == "s1"
             assert lease.token_hash is None
             assert attempt.session_id == "s1"
             assert lease == uow.runs.lock_attempt(attempt.id).lease
-        assert [a.run_id for a, _ in uow.sessions.offers_of("s2")] == ["r2"]
+        assert [a.run_id for _, a, _ in uow.sessions.offers_of("s2")] == ["r2"]
         assert list(uow.sessions.offers_of("nope")) == []
 
 
@@ -160,10 +161,10 @@ def test_offers_granted_at_the_same_time_are_ordered_by_attempt_id(store: Any) -
         first = offer(uow, "r1a1", "s1")
     with store.unit_of_work() as uow:
         offers = list(uow.sessions.offers_of("s1"))
-    granted = {lease.granted_at_ms for _, lease in offers}
+    granted = {lease.granted_at_ms for _, _, lease in offers}
     assert now <= min(granted)
     expected = sorted([(second.lease.granted_at_ms, "r2a1"), (first.lease.granted_at_ms, "r1a1")])
-    assert [a.id for a, _ in offers] == [attempt_id for _, attempt_id in expected]
+    assert [a.id for _, a, _ in offers] == [attempt_id for _, attempt_id in expected]
 
 
 def test_rolled_back_sessions_are_not_kept(store: Any) -> None:
