@@ -20,8 +20,10 @@ from bootstrap.core import DEFAULTS, RuntimeCoreContainer
 CLUSTER_DEFAULTS: dict[str, object] = {
     **DEFAULTS,
     "recovery_page_size": 16,
-    # Recovery transactions one replica runs at once; each holds one pooled connection.
-    "recovery_concurrency": 4,
+    # Recovery transactions one replica runs at once; each holds one pooled connection. More
+    # is not faster: the transactions share one interpreter lock and the database's cores
+    # (ADR 0006 has the measurements).
+    "recovery_concurrency": 3,
     "lost_retry_page_size": 16,
     "startup_page_size": 64,
     "pool_size": 5,
