@@ -5,8 +5,10 @@ a connection checked out of the pool is tested without one: an idle PostgreSQL c
 receives nothing unless the server ends it (``pg_terminate_backend``, a restart or a shutdown send
 an error and close the socket), so a socket that is readable while the connection is idle means
 the connection is gone. The pool then discards it and hands out a fresh one, as a failed ping
-would. A connection that dies unseen (no word from the server) fails its first statement; the
-unit of work or cycle that used it fails cleanly and the pool replaces it.
+would. (The rare message a server sends unasked to a live idle connection, such as a changed
+reported setting, costs no more than one reconnect.) A connection that dies unseen (no word from
+the server) fails its first statement; the unit of work or cycle that used it fails cleanly and
+the pool replaces it.
 """
 
 from __future__ import annotations
