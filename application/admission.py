@@ -39,11 +39,10 @@ class Admission:
         """Admit a batch in one transaction: all or none."""
         if not 1 <= len(requests) <= MAX_BATCH:
             raise ValueError(f"a batch holds 1..{MAX_BATCH} runs")
-        run_ids: list[str] = []
         with self._uow_factory() as uow:
             now_ms = uow.now_ms()
-            for request in requests:
-                change = admit(
+            changes = [
+                admit(
                     run_id=self._identities.new_id(),
                     attempt_id=self._identities.new_id(),
                     task=request.task,
@@ -52,10 +51,11 @@ class Admission:
                     owner=RunOwner.RUNTIME,
                     now_ms=now_ms,
                 )
-                uow.runs.add(change)
-                run_ids.append(change.run.id)
+                for request in requests
+            ]
+            uow.runs.add_many(changes)
             uow.commit()
-        return run_ids
+        return [change.run.id for change in changes]
 
     def cancel(self, run_id: str, reason: str = "cancelled by operator") -> None:
         """Cancel a non-terminal Run; its live lease is released, so a late worker's completion

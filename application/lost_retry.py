@@ -1,5 +1,5 @@
-"""Lost retry (DESIGN rule 3): settle ``lost`` Runs with the domain's pure builder, and turn due
-``retry_wait`` Runs into a fresh Attempt N+1."""
+"""Lost retry (ADR 0002, decision 3): settle ``lost`` Runs with the domain's pure builder, and
+turn due ``retry_wait`` Runs into a fresh Attempt N+1."""
 
 from __future__ import annotations
 

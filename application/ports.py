@@ -68,14 +68,6 @@ class RunCandidate:
 
 
 @dataclass(frozen=True, slots=True)
-class QueuedAttempt:
-    run_id: str
-    attempt_id: str
-    task: str
-    queued_at_ms: int
-
-
-@dataclass(frozen=True, slots=True)
 class DueTrigger:
     """An active trigger whose next scheduled firing the store's clock reached."""
 
@@ -94,6 +86,20 @@ class SessionCapacity:
 
 
 @dataclass(frozen=True, slots=True)
+class DispatchGate:
+    """Whether claims may grant work (ADR 0007). Closed while the most recent runtime recovery
+    or lost-retry step of any replica failed and none has succeeded since; ``reason`` says which
+    step failed and how."""
+
+    open: bool
+    reason: str | None = None
+    changed_at_ms: int | None = None
+
+
+OPEN_GATE = DispatchGate(open=True)
+
+
+@dataclass(frozen=True, slots=True)
 class Snapshot:
     """A Run locked for change, with its current Attempt and that Attempt's lease (or the Run's
     latest lease when the Attempt has none)."""
@@ -101,6 +107,21 @@ class Snapshot:
     run: Run
     attempt: Attempt | None
     lease: DispatchLease | None
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimLock:
+    """What one claim decides from, read in one step of its transaction: the claiming session
+    locked with the number of ``leased`` leases it holds, the dispatch gate, and the pristine
+    Attempts of ``queued`` Runs of its tasks, locked as :meth:`RunRepository.lock_attempt`
+    locks them (rows another transaction holds are skipped), oldest first within each task,
+    with how many Attempts of each of those tasks are in flight (fair share)."""
+
+    capacity: SessionCapacity | None
+    gate: DispatchGate
+    candidates: tuple[Snapshot, ...]
+    in_flight_by_task: Mapping[str, int]
+    observed_at_ms: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +135,10 @@ class RunRepository(Protocol):
 
     def add(self, change: Change) -> None:
         """Insert a newly admitted Run, its Attempts and its event."""
+
+    def add_many(self, changes: Sequence[Change]) -> None:
+        """:meth:`add` for a batch of newly admitted Runs, all of them or none (one statement
+        per batch where the store can)."""
 
     def lock_attempt(self, attempt_id: str, *, skip_locked: bool = False) -> Snapshot | None:
         """Take the Attempt's advisory lock, then row locks on Run, Attempt and lease.
@@ -138,6 +163,14 @@ class RunRepository(Protocol):
         may start from the result of an earlier one of the same Run. Raises
         ``ConcurrencyConflict`` when any write matches no row; the unit of work must then be
         rolled back."""
+
+    def lock_for_claim(
+        self, session_id: str, tasks: Sequence[str], limit_per_task: int
+    ) -> ClaimLock:
+        """Lock the session row (two claims of one session count its capacity one after the
+        other), read the dispatch gate and, while it is open, lock up to ``limit_per_task``
+        claimable Attempts of each task named, skipping those another transaction holds. With
+        the gate closed no Attempt is locked."""
 
     def renew_lease(self, before: DispatchLease, after: DispatchLease) -> None:
         """Move only ``expires_at``; compare-and-set on generation, version, status, token hash
@@ -168,9 +201,8 @@ class WorkerSessionRegistry(Protocol):
     def update(self, before: WorkerSession, after: WorkerSession) -> None:
         """Compare-and-set on the session's status."""
 
-    def offers_of(self, session_id: str) -> Sequence[tuple[Run, Attempt, DispatchLease]]:
-        """Attempts leased to this session that are still ``claimed`` and not accepted, each
-        with its Run and lease, oldest grant first."""
+    def held_by(self, session_id: str) -> Sequence[str]:
+        """The ids of the Attempts whose ``leased`` lease this session holds, sorted."""
 
 
 class EvidenceRepository(Protocol):
@@ -251,20 +283,19 @@ class UnitOfWorkFactory(Protocol):
     def __call__(self) -> UnitOfWork: ...
 
 
-class SessionCapacityLocks(Protocol):
-    def lock(self, session_id: str) -> SessionCapacity | None:
-        """The session, locked for update, with the number of ``leased`` leases it holds: two
-        replicas offering work to one session count its capacity one after the other."""
+class DispatchGateRepository(Protocol):
+    def set(self, gate: DispatchGate) -> None:
+        """Replace the gate's state (one row for every replica of the store)."""
 
 
 class SchedulerUnitOfWork(UnitOfWork, Protocol):
     """A transaction of a runtime store, with what the scheduler steps and the operators'
-    commands need besides Runs, sessions and evidence: triggers, workflow steps, and session
-    capacity under lock."""
+    commands need besides Runs, sessions and evidence: triggers, workflow steps and the
+    dispatch gate."""
 
     triggers: TriggerRepository
     workflows: WorkflowRepository
-    capacity: SessionCapacityLocks
+    gate: DispatchGateRepository
 
     def __enter__(self) -> SchedulerUnitOfWork: ...
 
@@ -294,20 +325,9 @@ class StartupCandidateSource(Protocol):
         """Runtime-owned ``created`` Runs without an Attempt (startup recovery only)."""
 
 
-class DispatchSource(Protocol):
-    def queued_attempts(self, limit_per_task: int, tasks: Sequence[str]) -> Page[QueuedAttempt]:
-        """Pristine Attempts of ``queued`` Runs, oldest first within each task, at most
-        ``limit_per_task`` for each task named."""
-
-    def available_sessions(self, max_silence_ms: int) -> Sequence[SessionCapacity]:
-        """Active sessions whose last heartbeat is less than ``max_silence_ms`` old by the
-        store's clock, with their in-flight count (``leased`` leases they hold), by id."""
-
-
-class TaskAdmissionSource(DispatchSource, Protocol):
-    def in_flight_by_task(self, tasks: Sequence[str]) -> Mapping[str, int]:
-        """For each named task that has any, how many of its Attempts hold a ``leased`` lease
-        (offered or executing): what task attempt admission balances across tasks."""
+class DispatchGateSource(Protocol):
+    def dispatch_gate(self) -> DispatchGate:
+        """The gate as committed (one read, no transaction kept)."""
 
 
 class TriggerSource(Protocol):
@@ -342,7 +362,7 @@ class RuntimeStore(
     RecoveryCandidateSource,
     LostRetryCandidateSource,
     StartupCandidateSource,
-    DispatchSource,
+    DispatchGateSource,
     Protocol,
 ):
     """Everything a profile's composition root needs from one store."""
@@ -352,9 +372,7 @@ class RuntimeStore(
     def close(self) -> None: ...
 
 
-class SchedulerStore(
-    RuntimeStore, TaskAdmissionSource, TriggerSource, WorkflowFrontierSource, Protocol
-):
+class SchedulerStore(RuntimeStore, TriggerSource, WorkflowFrontierSource, Protocol):
     """A runtime store with everything the whole cadence needs, trigger schedule and workflow
     frontier included. Every store a profile runs on (memory, PostgreSQL, SQLite) implements it;
     the worker ingress's least-privilege store implements only :class:`RuntimeStore`."""

@@ -75,9 +75,9 @@ def recover_candidate(uow: UnitOfWork, attempt_id: str) -> RecoveryHold | None:
 
 
 class RuntimeRecovery:
-    """DESIGN rule 1 and 2: each cycle, one bounded page of expired candidates, each resolved in
-    its own short transaction. No cursor or per-run state is kept between cycles. Any error ends
-    the pass (fail closed); the next cycle starts again from the store's view."""
+    """ADR 0002, decisions 1 and 2: each cycle, one bounded page of expired candidates, each
+    resolved in its own short transaction. No cursor or per-run state is kept between cycles.
+    Any error ends the pass (fail closed); the next cycle starts again from the store's view."""
 
     def __init__(
         self,

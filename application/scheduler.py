@@ -1,8 +1,9 @@
 """The one scheduler cadence: coordinators and the lifecycle that drives them.
 
-Production order (ADR-0232): runtime recovery -> lost retry -> trigger schedule -> workflow
+Production order (ADR 0002): runtime recovery -> lost retry -> trigger schedule -> workflow
 frontier -> task attempt admission. If recovery or lost retry fails, the rest of that cycle does
-not run: no new work is dispatched while the authority state is unknown.
+not run and the dispatch gate closes: no new work is dispatched while the authority state is
+unknown. Step 5 of the next good cycle opens it again (ADR 0007).
 """
 
 from __future__ import annotations
@@ -122,33 +123,50 @@ class SchedulerCoordinator:
         return run_steps(self._steps)
 
 
+class GateCloser(Protocol):
+    def close(self, reason: str) -> None: ...
+
+
+GUARD_STEPS = ("runtime_recovery", "lost_retry")
+"""The steps whose failure leaves lease authority unknown and closes the dispatch gate."""
+
+
 class ClusterSchedulerCoordinator:
-    """Puts runtime recovery and lost retry in front of the inner scheduler coordinator.
+    """Puts runtime recovery and lost retry in front of the inner scheduler coordinator, and
+    closes the dispatch gate when either fails.
 
     It owns no timer, pool, connection, cursor or per-run state: only its collaborators."""
 
-    __slots__ = ("_inner", "_lost_retry", "_recovery")
+    __slots__ = ("_gate", "_inner", "_lost_retry", "_recovery")
 
-    STEP_NAMES = ("runtime_recovery", "lost_retry", *SchedulerCoordinator.STEP_NAMES)
+    STEP_NAMES = (*GUARD_STEPS, *SchedulerCoordinator.STEP_NAMES)
 
     def __init__(
         self,
         runtime_recovery: SchedulerStep,
         lost_retry: SchedulerStep,
         inner: SchedulerCoordinator,
+        gate: GateCloser,
     ) -> None:
         self._recovery = runtime_recovery
         self._lost_retry = lost_retry
         self._inner = inner
+        self._gate = gate
 
     def run_cycle(self) -> CycleSummary:
-        return run_steps(
+        summary = run_steps(
             (
                 ("runtime_recovery", self._recovery),
                 ("lost_retry", self._lost_retry),
                 *self._inner.steps,
             )
         )
+        if summary.aborted_at in GUARD_STEPS:
+            step = summary.step(summary.aborted_at or "")
+            # A store that cannot take this write cannot grant a claim either.
+            with contextlib.suppress(Exception):
+                self._gate.close(f"{summary.aborted_at} failed: {step.error if step else ''}")
+        return summary
 
 
 class Coordinator(Protocol):

@@ -1,8 +1,11 @@
-"""The worker protocol: sessions and the fenced commands on a dispatched Attempt.
+"""The worker protocol (ADR 0007): sessions, the claim that starts work, and the fenced commands
+on a claimed Attempt.
 
 Every command authenticates the session by its secret (constant-time comparison of hashes) and,
-for fenced commands, the lease by (attempt, generation, version, token). A rejected command
-changes nothing."""
+for fenced commands, the lease by (attempt, generation, version, token). Every command is a
+batch (a single command is a batch of one): one transaction, each item decided on its own by
+the domain's transitions, a refused item changing nothing. A rejected command changes
+nothing."""
 
 from __future__ import annotations
 
@@ -10,7 +13,8 @@ import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from application.ports import Identities, Snapshot, UnitOfWork, UnitOfWorkFactory
+from application.ports import ClaimLock, Identities, Snapshot, UnitOfWork, UnitOfWorkFactory
+from domain.dispatch import fair_pick
 from domain.errors import (
     ConcurrencyConflict,
     DomainError,
@@ -20,7 +24,7 @@ from domain.errors import (
     InvalidTransition,
     SessionRejected,
 )
-from domain.fence import LeaseFence, check_fence, check_holder, hash_token, secrets_match
+from domain.fence import LeaseFence, check_holder, hash_token, secrets_match
 from domain.model import (
     Attempt,
     AttemptStatus,
@@ -34,14 +38,14 @@ from domain.model import (
 )
 from domain.recovery import report_stopped
 from domain.sessions import close, drain, heartbeat, register_session
-from domain.transitions import Change, abandon, accept, activate, complete, mark_running, renew
+from domain.states import OPEN_SESSION_STATUSES
+from domain.transitions import Change, abandon, claim, complete, release, renew
 
 MIN_TOKEN_LENGTH = 22  # 22 URL-safe base64 characters carry 132 bits
 MAX_TOKEN_LENGTH = 256
 MAX_BATCH_ITEMS = 256
 MAX_DETAIL_LENGTH = 500
-
-_OPEN = frozenset({SessionStatus.ACTIVE, SessionStatus.DRAINING})
+MAX_CLAIM = 256
 
 
 class UnknownSession(SessionRejected):
@@ -65,8 +69,9 @@ class SessionGrant:
 
 
 @dataclass(frozen=True, slots=True)
-class Offer:
-    """An Attempt offered to a session, with the fence the worker must present."""
+class Grant:
+    """An Attempt a claim started for the session, with the fence the worker must present: the
+    token was minted for this lease and is sent once, in this answer."""
 
     run_id: str
     attempt_id: str
@@ -75,39 +80,62 @@ class Offer:
     input: JsonValue
     generation: int
     version: int
+    token: str
     expires_at_ms: int
     idempotency_key: str
 
+    @property
+    def fence(self) -> LeaseFence:
+        return LeaseFence(
+            attempt_id=self.attempt_id,
+            generation=self.generation,
+            version=self.version,
+            token=self.token,
+        )
+
+
+class NoGrant(enum.Enum):
+    """Why a claim that asked for work was granted none."""
+
+    GATE_CLOSED = "dispatch_gate_closed"  # recovery or lost retry failed; see ``detail``
+    SESSION_NOT_ACTIVE = "session_not_active"  # draining: it may finish, not take more
+    NO_CAPACITY = "no_capacity"  # the session holds as many leases as its capacity
+    NOTHING_QUEUED = "nothing_queued"
+
 
 @dataclass(frozen=True, slots=True)
-class AbandonOutcome:
-    """``lost`` when the live lease was released at once; ``recorded`` when the lease had
-    already expired and the report was kept as not-running evidence for recovery."""
+class ClaimAnswer:
+    """A claim's answer: the results of the completions it carried (in their order), the
+    Attempts it handed back because the worker no longer held them, what it started, and, when
+    it was asked for work and started none, why."""
 
-    outcome: str
+    now_ms: int
+    status: SessionStatus
+    completed: tuple[ItemResult, ...]
+    released: tuple[str, ...]
+    grants: tuple[Grant, ...]
+    no_grant: NoGrant | None = None
+    detail: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class PollAnswer:
-    """A heartbeat's answer: the session's status, its open offers and the store's clock."""
+    """A heartbeat's answer: the session's status and the store's clock."""
 
     now_ms: int
     status: SessionStatus
-    offers: tuple[Offer, ...]
 
 
 class BatchOutcome(enum.Enum):
     """What one item of a batch achieved."""
 
-    ACCEPTED = "accepted"
-    RUNNING = "running"
-    STARTING = "starting"  # activated; the report that it runs did not persist
     RENEWED = "renewed"
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     ALREADY_COMPLETED = "already_completed"  # a repeated completion: nothing changed
     LOST = "lost"
     RECORDED = "recorded"
+    RELEASED = "released"
 
 
 class Rejection(enum.Enum):
@@ -162,12 +190,10 @@ class Abandonment:
     detail: str = ""
 
 
-class StartStage(enum.Enum):
-    """How far a start batch takes each offer."""
-
-    ACCEPTED = "accepted"  # bind the token only (prefetch)
-    ACTIVATED = "activated"  # cross the start barrier of an accepted offer, mark it running
-    STARTED = "started"  # accept, activate and mark running in one go
+@dataclass(frozen=True, slots=True)
+class Release:
+    fence: LeaseFence
+    cause: str = "not_started"
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,20 +236,11 @@ def _rejected(attempt_id: str, error: Exception) -> ItemResult:
     return ItemResult(attempt_id=attempt_id, rejection=kind, message=str(error))
 
 
-def _after(snapshot: Snapshot, change: Change) -> Snapshot:
-    """The snapshot as it is once ``change`` is applied (the locks are still held)."""
-    return Snapshot(
-        run=change.run,
-        attempt=change.attempts[0] if change.attempts else snapshot.attempt,
-        lease=change.lease if change.lease is not None else snapshot.lease,
-    )
-
-
-def _check_token(token: str) -> None:
-    if not MIN_TOKEN_LENGTH <= len(token) <= MAX_TOKEN_LENGTH:
-        raise InvalidAdmission(
-            f"lease token must be {MIN_TOKEN_LENGTH}..{MAX_TOKEN_LENGTH} characters"
-        )
+def _check_batch(attempt_ids: Sequence[str], *, allow_empty: bool = False) -> None:
+    if not (0 if allow_empty else 1) <= len(attempt_ids) <= MAX_BATCH_ITEMS:
+        raise InvalidAdmission(f"a batch holds 1..{MAX_BATCH_ITEMS} items")
+    if len(set(attempt_ids)) != len(attempt_ids):
+        raise InvalidAdmission("a batch names each attempt at most once")
 
 
 class WorkerCommands:
@@ -272,17 +289,18 @@ class WorkerCommands:
             registered_at_ms=session.registered_at_ms,
         )
 
-    def heartbeat(self, session_id: str, secret: str) -> list[Offer]:
-        """Record liveness; answer with the session's open offers and their fences."""
+    def poll(self, session_id: str, secret: str) -> PollAnswer:
+        """A heartbeat: records liveness, tells the session's status and the store's clock."""
         with self._uow_factory() as uow:
             session = self._authenticate(uow, session_id, secret)
-            uow.sessions.update(session, heartbeat(session, uow.now_ms()))
-            offers = self._offers_of(uow, session_id)
+            now_ms = uow.now_ms()
+            updated = heartbeat(session, now_ms)
+            uow.sessions.update(session, updated)
             uow.commit()
-        return offers
+        return PollAnswer(now_ms=now_ms, status=updated.status)
 
     def drain(self, session_id: str, secret: str) -> None:
-        """No new offers for this session; its running Attempts may finish."""
+        """No new work for this session; what it runs may finish."""
         with self._uow_factory() as uow:
             session = self._authenticate(uow, session_id, secret)
             uow.sessions.update(session, drain(session, uow.now_ms()))
@@ -295,182 +313,203 @@ class WorkerCommands:
             uow.sessions.update(session, close(session, uow.now_ms()))
             uow.commit()
 
-    # --- fenced commands --------------------------------------------------------------------
+    # --- the claim ----------------------------------------------------------------------------
 
-    def accept(
+    def claim(
         self,
         session_id: str,
         secret: str,
-        attempt_id: str,
-        generation: int,
-        version: int,
-        token: str,
-    ) -> None:
-        """Take an offer and bind the worker's own secret token to the lease."""
-        if not MIN_TOKEN_LENGTH <= len(token) <= MAX_TOKEN_LENGTH:
-            raise InvalidAdmission(
-                f"lease token must be {MIN_TOKEN_LENGTH}..{MAX_TOKEN_LENGTH} characters"
-            )
-
-        def decide(uow: UnitOfWork, snapshot: Snapshot, session: WorkerSession) -> Change:
-            assert snapshot.attempt is not None
-            return accept(
-                run=snapshot.run,
-                attempt=snapshot.attempt,
-                lease=snapshot.lease,
-                session_id=session.id,
-                generation=generation,
-                version=version,
-                token_hash=hash_token(token),
-                ttl_ms=self._lease_ttl_ms,
-                now_ms=uow.now_ms(),
-            )
-
-        self._fenced_change(session_id, secret, attempt_id, decide)
-
-    def activate(self, session_id: str, secret: str, fence: LeaseFence) -> None:
-        """Cross the start barrier."""
-
-        def decide(uow: UnitOfWork, snapshot: Snapshot, session: WorkerSession) -> Change:
-            assert snapshot.attempt is not None
-            return activate(
-                run=snapshot.run,
-                attempt=snapshot.attempt,
-                lease=self._held(snapshot, session, fence),
-                fence=fence,
-                ttl_ms=self._lease_ttl_ms,
-                now_ms=uow.now_ms(),
-            )
-
-        self._fenced_change(session_id, secret, fence.attempt_id, decide)
-
-    def mark_running(self, session_id: str, secret: str, fence: LeaseFence) -> None:
-        def decide(uow: UnitOfWork, snapshot: Snapshot, session: WorkerSession) -> Change:
-            assert snapshot.attempt is not None
-            return mark_running(
-                run=snapshot.run,
-                attempt=snapshot.attempt,
-                lease=self._held(snapshot, session, fence),
-                fence=fence,
-                now_ms=uow.now_ms(),
-            )
-
-        self._fenced_change(session_id, secret, fence.attempt_id, decide)
-
-    def complete(
-        self,
-        session_id: str,
-        secret: str,
-        fence: LeaseFence,
         *,
-        succeeded: bool,
-        output: JsonValue = None,
-        error: str | None = None,
-    ) -> None:
-        def decide(uow: UnitOfWork, snapshot: Snapshot, session: WorkerSession) -> Change:
-            assert snapshot.attempt is not None
-            return complete(
-                run=snapshot.run,
-                attempt=snapshot.attempt,
-                lease=self._held(snapshot, session, fence),
-                fence=fence,
-                succeeded=succeeded,
-                output=output,
-                error=error,
-                now_ms=uow.now_ms(),
-            )
+        limit: int,
+        completions: Sequence[Completion] = (),
+        held: Sequence[str] | None = None,
+    ) -> ClaimAnswer:
+        """One call, one transaction: record ``completions``, hand back what the worker no
+        longer holds, then claim and start up to ``limit`` queued Attempts of the session's
+        tasks (ADR 0007).
 
-        self._fenced_change(session_id, secret, fence.attempt_id, decide)
+        ``held`` is the worker's statement of every Attempt it holds (running, or finished with
+        its completion not yet answered). Any Attempt the session's leases name that is
+        neither held nor completed here never began on the worker (a claim answer it did not
+        receive): it is released back to ``queued`` with no ``lost`` verdict. ``None`` states
+        nothing.
 
-    def renew(self, session_id: str, secret: str, fence: LeaseFence) -> int:
-        """Extend the lease; returns the new ``expires_at_ms``. No version change, no event."""
+        The claim takes the session's row lock, so two claims of one session count its
+        capacity one after the other; it grants nothing while the dispatch gate is closed or
+        the session drains, and says why. Each grant is one :func:`domain.transitions.claim`
+        change, fair across tasks."""
+        if not 0 <= limit <= MAX_CLAIM:
+            raise InvalidAdmission(f"a claim asks for 0..{MAX_CLAIM} attempts")
+        completion_ids = [c.fence.attempt_id for c in completions]
+        _check_batch(completion_ids, allow_empty=True)
+        if held is not None and len(held) > MAX_CLAIM * 4:
+            raise InvalidAdmission(f"a worker holds at most {MAX_CLAIM * 4} attempts")
         with self._uow_factory() as uow:
             session = self._authenticate(uow, session_id, secret)
-            snapshot = self._lock(uow, fence.attempt_id)
-            assert snapshot.attempt is not None
-            lease = self._held(snapshot, session, fence)
-            renewed = renew(
-                attempt=snapshot.attempt,
-                lease=lease,
-                fence=fence,
-                ttl_ms=self._lease_ttl_ms,
-                now_ms=uow.now_ms(),
+            not_held: list[str] = []
+            if held is not None:
+                stated = set(held) | set(completion_ids)
+                not_held = [a for a in uow.sessions.held_by(session_id) if a not in stated]
+            snapshots = self._lock(uow, [*completion_ids, *not_held])
+            # The store's clock: read with the locks when there are any; otherwise the claim's
+            # lock statement reads it, so an idle claim costs no extra round trip.
+            now_ms = uow.now_ms() if (snapshots or limit == 0 or not session.accepts_work) else 0
+            writes: list[tuple[Snapshot, Change]] = []
+            completed = self._decide(
+                uow,
+                session,
+                completion_ids,
+                [c.fence for c in completions],
+                snapshots,
+                now_ms,
+                writes,
+                lambda it: self._complete_item(it, completions[it.index]),
             )
-            uow.runs.renew_lease(check_holder(lease, fence), renewed)
-            uow.commit()
-            return renewed.expires_at_ms
+            released: list[str] = []
+            for attempt_id in not_held:
+                snapshot = snapshots.get(attempt_id)
+                if snapshot is None or snapshot.attempt is None:
+                    continue
+                try:
+                    change, handed_back = self._not_held(uow, snapshot, session, now_ms)
+                except DomainError:
+                    continue  # settled meanwhile (completed, lost, cancelled)
+                writes.append((snapshot, change))
+                if handed_back:
+                    released.append(attempt_id)
+            grant = _NO_GRANT
+            if limit > 0:
+                freed = sum(1 for r in completed if r.ok and r.outcome in _FREES_A_SLOT)
+                freed += len(released)
+                grant = self._grant(uow, session, limit, freed, writes)
+                now_ms = grant.now_ms or now_ms
+            if writes:
+                uow.runs.apply_many(writes)
+                uow.commit()
+        return ClaimAnswer(
+            now_ms=now_ms,
+            status=session.status,
+            completed=tuple(completed),
+            released=tuple(released),
+            grants=grant.grants,
+            no_grant=grant.no_grant,
+            detail=grant.detail,
+        )
 
-    def abandon(
-        self, session_id: str, secret: str, fence: LeaseFence, detail: str
-    ) -> AbandonOutcome:
-        """The worker stopped executing the Attempt. With a live lease the Attempt is lost at
-        once; once the lease expired the report is kept as not-running evidence."""
-        with self._uow_factory() as uow:
-            session = self._authenticate(uow, session_id, secret, allow_closed=True)
-            snapshot = self._lock(uow, fence.attempt_id)
-            assert snapshot.attempt is not None
-            lease = self._held(snapshot, session, fence)
-            now_ms = uow.now_ms()
-            change, recorded = self._abandonment(uow, snapshot, lease, fence, detail[:500], now_ms)
-            uow.runs.apply(snapshot, change)
-            uow.commit()
-            return AbandonOutcome(outcome="recorded" if recorded else "lost")
-
-    def attest_stopped(self, attempt_id: str, reason: str) -> None:
-        """An operator states that the Attempt no longer executes anywhere."""
-        if not reason.strip():
-            raise InvalidAdmission("an attestation needs a reason")
-        with self._uow_factory() as uow:
-            snapshot = self._lock(uow, attempt_id)
-            assert snapshot.attempt is not None
-            report, audit = report_stopped(
+    @staticmethod
+    def _not_held(
+        uow: UnitOfWork, snapshot: Snapshot, session: WorkerSession, now_ms: int
+    ) -> tuple[Change, bool]:
+        """What the worker's statement that it does not hold an Attempt changes. While the
+        lease is live the Attempt's claim answer never reached the worker (it keeps everything
+        it began until the node answered its completion or abandon): it is handed back. Once
+        the lease expired the worker may have begun it and given it up (an abandon recorded as
+        evidence after the expiry): the statement is recorded as not-running evidence and
+        recovery settles the Attempt by its retry policy. Returns the change and whether it
+        was a hand-back."""
+        assert snapshot.attempt is not None
+        lease = snapshot.lease
+        if lease is not None and lease.is_live(now_ms):
+            change = release(
                 run=snapshot.run,
                 attempt=snapshot.attempt,
-                kind=EvidenceKind.OPERATOR_ATTESTED,
-                detail=reason.strip()[:500],
-                now_ms=uow.now_ms(),
+                lease=lease,
+                session_id=session.id,
+                cause="not_held",
+                now_ms=now_ms,
             )
-            uow.evidence.record(report)
-            uow.runs.apply(snapshot, audit)
-            uow.commit()
+            return change, True
+        if lease is None or lease.holder_session_id != session.id:
+            raise SessionRejected(f"attempt {snapshot.attempt.id} is not held by {session.id}")
+        report, audit = report_stopped(
+            run=snapshot.run,
+            attempt=snapshot.attempt,
+            kind=EvidenceKind.WORKER_ABANDONED,
+            detail="not held by its worker after its lease expired",
+            now_ms=now_ms,
+        )
+        uow.evidence.record(report)
+        return audit, False
 
-    # --- batches ------------------------------------------------------------------------------
+    def _grant(
+        self,
+        uow: UnitOfWork,
+        session: WorkerSession,
+        limit: int,
+        freed: int,
+        writes: list[tuple[Snapshot, Change]],
+    ) -> _Granted:
+        if not session.accepts_work:
+            return _Granted(
+                no_grant=NoGrant.SESSION_NOT_ACTIVE,
+                detail=f"session {session.id} is {session.status.value}",
+            )
+        lock: ClaimLock = uow.runs.lock_for_claim(session.id, session.tasks, limit)
+        now_ms = lock.observed_at_ms
+        if not lock.gate.open:
+            return _Granted(now_ms=now_ms, no_grant=NoGrant.GATE_CLOSED, detail=lock.gate.reason)
+        capacity = lock.capacity
+        if capacity is None or not capacity.session.accepts_work:
+            return _Granted(
+                now_ms=now_ms,
+                no_grant=NoGrant.SESSION_NOT_ACTIVE,
+                detail=f"session {session.id} is not active",
+            )
+        room = min(limit, capacity.session.capacity - capacity.in_flight + freed)
+        if room <= 0:
+            return _Granted(now_ms=now_ms, no_grant=NoGrant.NO_CAPACITY)
+        chosen = fair_pick(
+            [s for s in lock.candidates if s.attempt is not None],
+            task_of=lambda s: s.run.task,
+            queued_at_of=lambda s: s.attempt.created_at_ms if s.attempt else 0,
+            in_flight=lock.in_flight_by_task,
+            count=room,
+            observed_at_ms=now_ms,
+        )
+        grants: list[Grant] = []
+        for snapshot in chosen:
+            assert snapshot.attempt is not None
+            token = self._identities.new_secret()
+            try:
+                change = claim(
+                    run=snapshot.run,
+                    attempt=snapshot.attempt,
+                    previous_lease=snapshot.lease,
+                    session=capacity.session,
+                    token_hash=hash_token(token),
+                    ttl_ms=self._lease_ttl_ms,
+                    now_ms=now_ms,
+                )
+            except DomainError:
+                continue  # no longer claimable: left alone
+            writes.append((snapshot, change))
+            lease = change.lease
+            assert lease is not None
+            grants.append(
+                Grant(
+                    run_id=snapshot.run.id,
+                    attempt_id=snapshot.attempt.id,
+                    attempt_number=snapshot.attempt.number,
+                    task=snapshot.run.task,
+                    input=snapshot.run.input,
+                    generation=lease.generation,
+                    version=lease.version,
+                    token=token,
+                    expires_at_ms=lease.expires_at_ms,
+                    idempotency_key=snapshot.run.id,
+                )
+            )
+        if not grants:
+            return _Granted(now_ms=now_ms, no_grant=NoGrant.NOTHING_QUEUED)
+        return _Granted(now_ms=now_ms, grants=tuple(grants))
+
+    # --- fenced batches -----------------------------------------------------------------------
     #
     # One transaction per batch. The session is authenticated once; a session that fails
     # authentication fails the whole batch. Then every Attempt is locked (advisory lock, then
-    # rows) in attempt id order, so concurrent batches cannot deadlock, the store's clock is
-    # observed once with all locks held, and each item is decided by the same domain
-    # transitions as the single commands. An item that is refused changes nothing and does not
-    # affect the others.
-
-    def poll(self, session_id: str, secret: str) -> PollAnswer:
-        """A heartbeat that also tells the session's status and the store's clock."""
-        with self._uow_factory() as uow:
-            session = self._authenticate(uow, session_id, secret)
-            now_ms = uow.now_ms()
-            updated = heartbeat(session, now_ms)
-            uow.sessions.update(session, updated)
-            offers = tuple(self._offers_of(uow, session_id))
-            uow.commit()
-        return PollAnswer(now_ms=now_ms, status=updated.status, offers=offers)
-
-    def start_many(
-        self,
-        session_id: str,
-        secret: str,
-        fences: Sequence[LeaseFence],
-        stage: StartStage = StartStage.STARTED,
-    ) -> BatchAnswer:
-        """Take offers as far as ``stage``: accept binds each fence's token to its lease;
-        activation crosses the start barrier and marks the Attempt running. Repeating an item
-        that already got that far (same token) answers as before and changes nothing."""
-        for fence in fences:
-            _check_token(fence.token)
-
-        def item(it: _BatchItem) -> ItemResult:
-            return self._start_one(it.session, it.snapshot, it.fence, stage, it.now_ms, it.writes)
-
-        return self._batch(session_id, secret, fences, item)
+    # rows) in attempt id order, so concurrent batches cannot deadlock, and the store's clock is
+    # read once with all locks held. Each item goes through the domain's transitions; an item
+    # that is refused changes nothing and does not affect the others.
 
     def renew_many(self, session_id: str, secret: str, fences: Sequence[LeaseFence]) -> BatchAnswer:
         """Extend each lease; no version change, no event."""
@@ -498,31 +537,36 @@ class WorkerCommands:
         """Report outcomes; each lease is released with reason ``completed``. Repeating a
         completion that was already recorded with the same fence answers
         ``already_completed`` and changes nothing."""
+        return self._batch(
+            session_id,
+            secret,
+            [c.fence for c in completions],
+            lambda it: self._complete_item(it, completions[it.index]),
+        )
+
+    def release_many(
+        self, session_id: str, secret: str, releases: Sequence[Release]
+    ) -> BatchAnswer:
+        """Hand back Attempts whose task never began (a drain, a self-fence before the start, a
+        slot that failed to start): each goes back to ``queued`` with no ``lost`` verdict. The
+        fence must name the lease and its token; an expired lease may still be handed back."""
 
         def item(it: _BatchItem) -> ItemResult:
-            done = completions[it.index]
-            try:
-                change = complete(
-                    run=it.snapshot.run,
-                    attempt=it.attempt,
-                    lease=it.lease,
-                    fence=it.fence,
-                    succeeded=done.succeeded,
-                    output=done.output,
-                    error=done.error,
-                    now_ms=it.now_ms,
-                )
-            except FenceRejected:
-                if self._already_completed(it.snapshot, it.fence, done.succeeded):
-                    return ItemResult(
-                        attempt_id=it.fence.attempt_id, outcome=BatchOutcome.ALREADY_COMPLETED
-                    )
-                raise
+            lease = check_holder(it.lease, it.fence)
+            if lease.version != it.fence.version:
+                raise FenceRejected(FenceReason.VERSION_MISMATCH, it.fence.attempt_id)
+            change = release(
+                run=it.snapshot.run,
+                attempt=it.attempt,
+                lease=lease,
+                session_id=it.session.id,
+                cause=releases[it.index].cause[:MAX_DETAIL_LENGTH] or "not_started",
+                now_ms=it.now_ms,
+            )
             it.writes.append((it.snapshot, change))
-            outcome = BatchOutcome.SUCCEEDED if done.succeeded else BatchOutcome.FAILED
-            return ItemResult(attempt_id=it.fence.attempt_id, outcome=outcome)
+            return ItemResult(attempt_id=it.fence.attempt_id, outcome=BatchOutcome.RELEASED)
 
-        return self._batch(session_id, secret, [c.fence for c in completions], item)
+        return self._batch(session_id, secret, [r.fence for r in releases], item)
 
     def abandon_many(
         self, session_id: str, secret: str, abandonments: Sequence[Abandonment]
@@ -544,78 +588,48 @@ class WorkerCommands:
             session_id, secret, [a.fence for a in abandonments], item, allow_closed=True
         )
 
-    def _start_one(
-        self,
-        session: WorkerSession,
-        snapshot: Snapshot,
-        fence: LeaseFence,
-        stage: StartStage,
-        now_ms: int,
-        writes: list[tuple[Snapshot, Change]],
-    ) -> ItemResult:
-        """Decide every step first (pure); the batch persists them in order. The batch has
-        checked that ``session`` holds the lease."""
-        changes: list[tuple[Snapshot, Change]] = []
-        current = snapshot
-        lease = current.lease
-        if stage is not StartStage.ACTIVATED and lease is not None and lease.token_hash is None:
-            assert current.attempt is not None
-            change = accept(
-                run=current.run,
-                attempt=current.attempt,
-                lease=lease,
-                session_id=session.id,
-                generation=fence.generation,
-                version=fence.version,
-                token_hash=hash_token(fence.token),
-                ttl_ms=self._lease_ttl_ms,
-                now_ms=now_ms,
+    def attest_stopped(self, attempt_id: str, reason: str) -> None:
+        """An operator states that the Attempt no longer executes anywhere."""
+        if not reason.strip():
+            raise InvalidAdmission("an attestation needs a reason")
+        with self._uow_factory() as uow:
+            snapshot = uow.runs.lock_attempt(attempt_id)
+            if snapshot is None or snapshot.attempt is None:
+                raise UnknownAttempt(attempt_id)
+            report, audit = report_stopped(
+                run=snapshot.run,
+                attempt=snapshot.attempt,
+                kind=EvidenceKind.OPERATOR_ATTESTED,
+                detail=reason.strip()[:MAX_DETAIL_LENGTH],
+                now_ms=uow.now_ms(),
             )
-            changes.append((current, change))
-            current = _after(current, change)
-        # From here on the token is bound: every step checks the whole fence.
-        live = check_fence(current.lease, fence, now_ms)
-        assert current.attempt is not None
-        if stage is StartStage.ACCEPTED:
-            if current.attempt.status is not AttemptStatus.CLAIMED:
-                raise InvalidTransition(
-                    "attempt", fence.attempt_id, current.attempt.status.value, "be accepted"
+            uow.evidence.record(report)
+            uow.runs.apply(snapshot, audit)
+            uow.commit()
+
+    # --- decisions ----------------------------------------------------------------------------
+
+    def _complete_item(self, it: _BatchItem, done: Completion) -> ItemResult:
+        try:
+            change = complete(
+                run=it.snapshot.run,
+                attempt=it.attempt,
+                lease=it.lease,
+                fence=it.fence,
+                succeeded=done.succeeded,
+                output=done.output,
+                error=done.error,
+                now_ms=it.now_ms,
+            )
+        except FenceRejected:
+            if self._already_completed(it.snapshot, it.fence, done.succeeded):
+                return ItemResult(
+                    attempt_id=it.fence.attempt_id, outcome=BatchOutcome.ALREADY_COMPLETED
                 )
-        else:
-            if current.attempt.status is AttemptStatus.CLAIMED:
-                change = activate(
-                    run=current.run,
-                    attempt=current.attempt,
-                    lease=current.lease,
-                    fence=fence,
-                    ttl_ms=self._lease_ttl_ms,
-                    now_ms=now_ms,
-                )
-                changes.append((current, change))
-                current = _after(current, change)
-            assert current.attempt is not None
-            if current.attempt.status is AttemptStatus.STARTING:
-                change = mark_running(
-                    run=current.run,
-                    attempt=current.attempt,
-                    lease=current.lease,
-                    fence=fence,
-                    now_ms=now_ms,
-                )
-                changes.append((current, change))
-                current = _after(current, change)
-            assert current.attempt is not None
-            if current.attempt.status is not AttemptStatus.RUNNING:
-                raise InvalidTransition(
-                    "attempt", fence.attempt_id, current.attempt.status.value, "be started"
-                )
-        # Persisted with the rest of the batch, all together.
-        writes.extend(changes)
-        lease = current.lease if current.lease is not None else live
-        outcome = BatchOutcome.ACCEPTED if stage is StartStage.ACCEPTED else BatchOutcome.RUNNING
-        return ItemResult(
-            attempt_id=fence.attempt_id, outcome=outcome, expires_at_ms=lease.expires_at_ms
-        )
+            raise
+        it.writes.append((it.snapshot, change))
+        outcome = BatchOutcome.SUCCEEDED if done.succeeded else BatchOutcome.FAILED
+        return ItemResult(attempt_id=it.fence.attempt_id, outcome=outcome)
 
     @staticmethod
     def _abandonment(
@@ -684,32 +698,57 @@ class WorkerCommands:
         allow_closed: bool = False,
     ) -> BatchAnswer:
         attempt_ids = [fence.attempt_id for fence in fences]
-        if not 1 <= len(attempt_ids) <= MAX_BATCH_ITEMS:
-            raise InvalidAdmission(f"a batch holds 1..{MAX_BATCH_ITEMS} items")
-        if len(set(attempt_ids)) != len(attempt_ids):
-            raise InvalidAdmission("a batch names each attempt at most once")
-        results: list[ItemResult | None] = [None] * len(attempt_ids)
+        _check_batch(attempt_ids)
         with self._uow_factory() as uow:
             session = self._authenticate(uow, session_id, secret, allow_closed=allow_closed)
-            snapshots: dict[int, Snapshot] = {}
-            order = sorted(range(len(attempt_ids)), key=lambda i: attempt_ids[i])
-            locked = uow.runs.lock_attempts([attempt_ids[index] for index in order])
-            for index, snapshot in zip(order, locked, strict=True):
-                if snapshot is None or snapshot.attempt is None:
-                    results[index] = _rejected(attempt_ids[index], UnknownAttempt())
-                else:
-                    snapshots[index] = snapshot
+            snapshots = self._lock(uow, attempt_ids)
             now_ms = uow.now_ms()
-            # Each item is decided on its own (a refusal changes nothing); the changes of the
-            # accepted ones are written together, all or nothing, at the end.
             writes: list[tuple[Snapshot, Change]] = []
-            for index, snapshot in sorted(snapshots.items()):
-                mark = len(writes)
-                fence = fences[index]
-                try:
-                    assert snapshot.attempt is not None
-                    lease = self._held(snapshot, session, fence)
-                    results[index] = item(
+            results = self._decide(
+                uow, session, attempt_ids, fences, snapshots, now_ms, writes, item
+            )
+            uow.runs.apply_many(writes)
+            uow.commit()
+        return BatchAnswer(now_ms=now_ms, results=tuple(results))
+
+    @staticmethod
+    def _lock(uow: UnitOfWork, attempt_ids: Sequence[str]) -> dict[str, Snapshot]:
+        """Lock every named Attempt in id order (concurrent batches cannot deadlock)."""
+        ordered = sorted(set(attempt_ids))
+        if not ordered:
+            return {}
+        locked = uow.runs.lock_attempts(ordered)
+        return {
+            attempt_id: snapshot
+            for attempt_id, snapshot in zip(ordered, locked, strict=True)
+            if snapshot is not None and snapshot.attempt is not None
+        }
+
+    def _decide(
+        self,
+        uow: UnitOfWork,
+        session: WorkerSession,
+        attempt_ids: Sequence[str],
+        fences: Sequence[LeaseFence],
+        snapshots: dict[str, Snapshot],
+        now_ms: int,
+        writes: list[tuple[Snapshot, Change]],
+        item: Callable[[_BatchItem], ItemResult],
+    ) -> list[ItemResult]:
+        """Decide each item on its own (a refusal changes nothing); the accepted changes go to
+        ``writes``, which the caller persists together, all or nothing."""
+        results: list[ItemResult] = []
+        for index, attempt_id in enumerate(attempt_ids):
+            snapshot = snapshots.get(attempt_id)
+            if snapshot is None or snapshot.attempt is None:
+                results.append(_rejected(attempt_id, UnknownAttempt()))
+                continue
+            mark = len(writes)
+            fence = fences[index]
+            try:
+                lease = self._held(snapshot, session, fence)
+                results.append(
+                    item(
                         _BatchItem(
                             uow=uow,
                             session=session,
@@ -722,28 +761,11 @@ class WorkerCommands:
                             writes=writes,
                         )
                     )
-                except (DomainError, UnknownAttempt) as error:
-                    del writes[mark:]
-                    results[index] = _rejected(attempt_ids[index], error)
-            uow.runs.apply_many(writes)
-            uow.commit()
-        return BatchAnswer(now_ms=now_ms, results=tuple(r for r in results if r is not None))
-
-    def _offers_of(self, uow: UnitOfWork, session_id: str) -> list[Offer]:
-        return [
-            Offer(
-                run_id=run.id,
-                attempt_id=attempt.id,
-                attempt_number=attempt.number,
-                task=run.task,
-                input=run.input,
-                generation=lease.generation,
-                version=lease.version,
-                expires_at_ms=lease.expires_at_ms,
-                idempotency_key=run.id,
-            )
-            for run, attempt, lease in uow.sessions.offers_of(session_id)
-        ]
+                )
+            except (DomainError, UnknownAttempt) as error:
+                del writes[mark:]
+                results.append(_rejected(attempt_id, error))
+        return results
 
     # --- helpers ------------------------------------------------------------------------------
 
@@ -760,16 +782,9 @@ class WorkerCommands:
             raise UnknownSession(f"unknown session {session_id}")
         if not secrets_match(secret, session.secret_hash):
             raise SessionUnauthorized(f"bad secret for session {session_id}")
-        if not allow_closed and session.status not in _OPEN:
+        if not allow_closed and session.status not in OPEN_SESSION_STATUSES:
             raise SessionRejected(f"session {session_id} is {session.status.value}")
         return session
-
-    @staticmethod
-    def _lock(uow: UnitOfWork, attempt_id: str) -> Snapshot:
-        snapshot = uow.runs.lock_attempt(attempt_id)
-        if snapshot is None or snapshot.attempt is None:
-            raise UnknownAttempt(attempt_id)
-        return snapshot
 
     @staticmethod
     def _held(
@@ -781,16 +796,18 @@ class WorkerCommands:
             raise FenceRejected(FenceReason.TOKEN_MISMATCH, fence.attempt_id)
         return lease
 
-    def _fenced_change(
-        self,
-        session_id: str,
-        secret: str,
-        attempt_id: str,
-        decide: Callable[[UnitOfWork, Snapshot, WorkerSession], Change],
-    ) -> None:
-        with self._uow_factory() as uow:
-            session = self._authenticate(uow, session_id, secret)
-            snapshot = self._lock(uow, attempt_id)
-            change = decide(uow, snapshot, session)
-            uow.runs.apply(snapshot, change)
-            uow.commit()
+
+_FREES_A_SLOT = frozenset({BatchOutcome.SUCCEEDED, BatchOutcome.FAILED})
+
+
+@dataclass(frozen=True, slots=True)
+class _Granted:
+    """What the claim step of a claim decided; ``now_ms`` is the clock its lock read."""
+
+    now_ms: int = 0
+    grants: tuple[Grant, ...] = ()
+    no_grant: NoGrant | None = None
+    detail: str | None = None
+
+
+_NO_GRANT = _Granted()

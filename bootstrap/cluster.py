@@ -67,6 +67,7 @@ class ClusterContainer(containers.DeclarativeContainer):
         runtime_recovery=runtime_recovery,
         lost_retry=lost_retry,
         inner=core.scheduler,
+        gate=core.dispatch_gate,
     )
     lifecycle = providers.Singleton(
         ClusterSchedulerLifecycle,

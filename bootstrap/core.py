@@ -9,7 +9,7 @@ from dependency_injector import containers, providers
 
 from adapters.cron import CroniterCalendar
 from application.admission import Admission
-from application.dispatch import TaskAttemptAdmission
+from application.dispatch import DispatchGateStep
 from application.identities import RandomIdentities
 from application.ports import SchedulerStore
 from application.scheduler import SchedulerCoordinator
@@ -20,8 +20,6 @@ from application.workflows import WorkflowFrontier, Workflows
 DEFAULTS: dict[str, object] = {
     "lease_ttl_s": 30.0,
     "cadence_s": 1.0,
-    "session_silence_s": 30.0,
-    "dispatch_page_size": 16,
     "trigger_page_size": 16,
     "workflow_page_size": 16,
 }
@@ -37,7 +35,6 @@ class RuntimeCoreContainer(containers.DeclarativeContainer):
 
     identities = providers.Singleton(RandomIdentities)
     lease_ttl_ms = providers.Callable(seconds_to_ms, config.lease_ttl_s)
-    session_silence_ms = providers.Callable(seconds_to_ms, config.session_silence_s)
 
     admission = providers.Singleton(
         Admission, uow_factory=store.provided.unit_of_work, identities=identities
@@ -75,17 +72,12 @@ class RuntimeCoreContainer(containers.DeclarativeContainer):
         identities=identities,
         page_size=config.workflow_page_size,
     )
-    task_attempt_admission = providers.Singleton(
-        TaskAttemptAdmission,
-        uow_factory=store.provided.unit_of_work,
-        source=store,
-        lease_ttl_ms=lease_ttl_ms,
-        max_silence_ms=session_silence_ms,
-        page_size=config.dispatch_page_size,
+    dispatch_gate = providers.Singleton(
+        DispatchGateStep, uow_factory=store.provided.unit_of_work, source=store
     )
     scheduler = providers.Singleton(
         SchedulerCoordinator,
         trigger_schedule=trigger_schedule,
         workflow_frontier=workflow_frontier,
-        task_attempt_admission=task_attempt_admission,
+        task_attempt_admission=dispatch_gate,
     )

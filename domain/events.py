@@ -11,12 +11,17 @@ from domain.model import JsonValue
 
 
 class EventType(enum.Enum):
+    """Offered, accepted, activated and running are written only by the offer protocol of
+    ADR 0005 and kept for the history it left; a claim writes ``attempt_started``."""
+
     RUN_ADMITTED = "run_admitted"
     ATTEMPT_CREATED = "attempt_created"
     ATTEMPT_OFFERED = "attempt_offered"
     ATTEMPT_ACCEPTED = "attempt_accepted"
     ATTEMPT_ACTIVATED = "attempt_activated"
     ATTEMPT_RUNNING = "attempt_running"
+    ATTEMPT_STARTED = "attempt_started"
+    ATTEMPT_RELEASED = "attempt_released"
     ATTEMPT_SUCCEEDED = "attempt_succeeded"
     ATTEMPT_FAILED = "attempt_failed"
     ATTEMPT_LOST = "attempt_lost"

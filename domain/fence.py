@@ -13,7 +13,7 @@ from domain.model import DispatchLease, LeaseStatus
 
 def hash_token(token: str) -> str:
     """The stored form of a lease token or session secret: SHA-256, hex."""
-    return hashlib.sha256(token.encode("utf-8")).hexdigest()
+    return hashlib.sha256(token.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def secrets_match(presented: str, stored_hash: str) -> bool:

@@ -73,6 +73,7 @@ class ReleaseReason(enum.Enum):
     LEASE_EXPIRED = "lease_expired"
     CANCELLED = "cancelled"
     ABANDONED = "abandoned"
+    HANDED_BACK = "handed_back"
 
 
 class RunOwner(enum.Enum):

@@ -12,7 +12,6 @@ from domain.errors import InvalidTransition
 from domain.events import EventType, RunEvent
 from domain.model import (
     Attempt,
-    AttemptStatus,
     DispatchLease,
     EvidenceKind,
     LeaseStatus,
@@ -20,17 +19,14 @@ from domain.model import (
     ReleaseReason,
     Run,
     RunOwner,
-    RunStatus,
     SessionStatus,
     StopReport,
     WorkerSession,
 )
+from domain.states import NON_TERMINAL_ATTEMPT_STATUSES, RECOVERABLE_RUN_STATUSES
 from domain.transitions import Change, mark_lost
 
-RECOVERABLE_RUN_STATUSES = frozenset({RunStatus.DISPATCHING, RunStatus.RUNNING, RunStatus.LOST})
-RECOVERABLE_ATTEMPT_STATUSES = frozenset(
-    {AttemptStatus.CLAIMED, AttemptStatus.STARTING, AttemptStatus.RUNNING}
-)
+RECOVERABLE_ATTEMPT_STATUSES = NON_TERMINAL_ATTEMPT_STATUSES
 
 
 class RecoveryHold(enum.Enum):
@@ -55,8 +51,9 @@ def lease_authority_gone(attempt: Attempt, lease: DispatchLease | None, now_ms: 
 def is_recovery_candidate(
     run: Run, attempt: Attempt, lease: DispatchLease | None, now_ms: int
 ) -> bool:
-    """DESIGN rule 1: a runtime-owned Run in dispatching|running|lost whose non-pristine Attempt
-    is claimed|starting|running and whose lease is missing or expired by the store's clock."""
+    """ADR 0002, decision 1: a runtime-owned Run in dispatching|running|lost whose non-pristine
+    Attempt is claimed|starting|running and whose lease is missing or expired by the store's
+    clock."""
     return (
         run.owner is RunOwner.RUNTIME
         and run.status in RECOVERABLE_RUN_STATUSES

@@ -10,6 +10,7 @@ from domain.errors import InvalidTransition, NotDue
 from domain.events import EventType, RunEvent
 from domain.model import Attempt, AttemptStatus, Run, RunOwner, RunStatus
 from domain.policy import RETRYABLE_SAFETY, RetryPolicy, Safety
+from domain.states import require_run_edge
 from domain.transitions import Change
 
 
@@ -77,6 +78,9 @@ def settle_lost_run(*, run: Run, lost_attempt: Attempt, now_ms: int) -> Change:
     decision = decide_lost_retry(
         run_id=run.id, policy=run.policy, lost_attempt_number=lost_attempt.number, now_ms=now_ms
     )
+    require_run_edge(
+        run, RunStatus.FAILED if decision.failure else RunStatus.RETRY_WAIT, "settle a lost attempt"
+    )
     if decision.failure is not None:
         new_run = evolve(
             run,
@@ -116,6 +120,7 @@ def start_next_attempt(*, run: Run, attempt_id: str, now_ms: int) -> Change:
     the Run ``queued``. Nothing of the lost Attempt is carried over."""
     if run.status is not RunStatus.RETRY_WAIT or run.owner is not RunOwner.RUNTIME:
         raise InvalidTransition("run", run.id, run.status.value, "start its next attempt")
+    require_run_edge(run, RunStatus.QUEUED, "start its next attempt")
     if run.next_attempt_at_ms is None or now_ms < run.next_attempt_at_ms:
         raise NotDue(f"run {run.id} is due at {run.next_attempt_at_ms}, now {now_ms}")
     number = run.attempt_count + 1

@@ -35,8 +35,21 @@ from domain.model import (
     WorkerSession,
 )
 from domain.policy import RetryPolicy
+from domain.states import CLAIMABLE_RUN_STATUSES, require_attempt_edge, require_run_edge
 
 MAX_TASK_NAME_LENGTH = 200
+
+
+def storable_text(value: JsonValue) -> bool:
+    """No string in ``value`` (keys included) holds a NUL character, which no store can keep in
+    text or JSON."""
+    if isinstance(value, str):
+        return "\x00" not in value
+    if isinstance(value, list):
+        return all(storable_text(item) for item in value)
+    if isinstance(value, dict):
+        return all("\x00" not in key and storable_text(item) for key, item in value.items())
+    return True
 
 
 @frozen(kw_only=True)
@@ -73,18 +86,14 @@ def _refuse(entity: str, entity_id: str, status: str, action: str) -> InvalidTra
     return InvalidTransition(entity, entity_id, status, action)
 
 
-def _require_run(run: Run, allowed: frozenset[RunStatus], action: str) -> None:
-    if run.status not in allowed:
-        raise _refuse("run", run.id, run.status.value, action)
+def _require_run(run: Run, to: RunStatus, action: str) -> None:
+    require_run_edge(run, to, action)
 
 
-def _require_attempt(
-    run: Run, attempt: Attempt, allowed: frozenset[AttemptStatus], action: str
-) -> None:
+def _require_attempt(run: Run, attempt: Attempt, to: AttemptStatus, action: str) -> None:
     if attempt.run_id != run.id:
         raise InvalidAdmission(f"attempt {attempt.id} does not belong to run {run.id}")
-    if attempt.status not in allowed:
-        raise _refuse("attempt", attempt.id, attempt.status.value, action)
+    require_attempt_edge(attempt.id, attempt.status, to, action)
 
 
 def _pristine_attempt(run_id: str, attempt_id: str, number: int, now_ms: int) -> Attempt:
@@ -135,12 +144,14 @@ def admit(
 ) -> Change:
     """Admit a Run. With an attempt id it is ``queued`` with a pristine Attempt 1; without one
     it stays ``created`` (an Attempt is made later, by the frontier or by startup recovery)."""
-    if not task or len(task) > MAX_TASK_NAME_LENGTH or task.strip() != task:
+    if not task or len(task) > MAX_TASK_NAME_LENGTH or task.strip() != task or "\x00" in task:
         raise InvalidAdmission(
-            f"task name must be 1..{MAX_TASK_NAME_LENGTH} characters, without padding"
+            f"task name must be 1..{MAX_TASK_NAME_LENGTH} characters, without padding or NUL"
         )
     if not run_id or (attempt_id is not None and not attempt_id):
         raise InvalidAdmission("run and attempt ids must not be empty")
+    if not storable_text(input):
+        raise InvalidAdmission("the input must not hold a NUL character")
     if policy is not None and not isinstance(policy, RetryPolicy):
         raise InvalidAdmission("policy must be a RetryPolicy")
     attempts: tuple[Attempt, ...] = ()
@@ -171,7 +182,9 @@ def admit(
 
 def create_first_attempt(run: Run, attempt_id: str, now_ms: int) -> Change:
     """A ``created`` Run gets its pristine Attempt 1 and is ``queued``."""
-    _require_run(run, frozenset({RunStatus.CREATED}), "create its first attempt")
+    _require_run(run, RunStatus.QUEUED, "create its first attempt")
+    if run.status is not RunStatus.CREATED:
+        raise _refuse("run", run.id, run.status.value, "create its first attempt")
     if run.attempt_count != 0:
         raise _refuse("run", run.id, run.status.value, "create a first attempt twice")
     attempt = _pristine_attempt(run.id, attempt_id, 1, now_ms)
@@ -184,26 +197,29 @@ def create_first_attempt(run: Run, attempt_id: str, now_ms: int) -> Change:
     )
 
 
-# --- dispatch and the worker commands ---------------------------------------------------------
+# --- the worker's claim and the fenced commands -------------------------------------------------
 
 
-def grant_lease(
+def claim(
     *,
     run: Run,
     attempt: Attempt,
     previous_lease: DispatchLease | None,
     session: WorkerSession,
+    token_hash: str,
     ttl_ms: int,
     now_ms: int,
 ) -> Change:
-    """Offer a pristine Attempt to a session under a new lease (generation + 1, version 1).
-
-    The lease is reserved for the session but bound to no token yet: the worker binds its own
-    secret token when it accepts, so a lost answer can be retried without minting a new one."""
-    _require_run(run, frozenset({RunStatus.QUEUED}), "be offered")
-    _require_attempt(run, attempt, frozenset({AttemptStatus.CLAIMED}), "be offered")
+    """A session with a free slot claims a queued Run's pristine Attempt and starts it, in one
+    change: a new lease (generation + 1, version 1) bound to the token the store minted for it,
+    and the start barrier crossed, so external side effects may begin once the worker has the
+    answer (ADR 0007)."""
+    _require_run(run, RunStatus.RUNNING, "be claimed")
+    if run.status not in CLAIMABLE_RUN_STATUSES:
+        raise _refuse("run", run.id, run.status.value, "be claimed")
+    _require_attempt(run, attempt, AttemptStatus.RUNNING, "be claimed")
     if not attempt.is_pristine:
-        raise _refuse("attempt", attempt.id, "claimed (not pristine)", "be offered")
+        raise _refuse("attempt", attempt.id, f"{attempt.status.value} (not pristine)", "be claimed")
     if not session.accepts_work:
         raise SessionRejected(f"session {session.id} is {session.status.value}")
     if run.task not in session.tasks:
@@ -220,20 +236,23 @@ def grant_lease(
         version=1,
         status=LeaseStatus.LEASED,
         holder_session_id=session.id,
-        token_hash=None,
+        token_hash=token_hash,
         expires_at_ms=now_ms + ttl_ms,
         granted_at_ms=now_ms,
     )
     new_attempt = evolve(
         attempt,
+        status=AttemptStatus.RUNNING,
         session_id=session.id,
         worker_id=session.worker_id,
         lease_generation=generation,
         lease_version=1,
         offered_at_ms=now_ms,
+        accepted_at_ms=now_ms,
+        started_at_ms=now_ms,
         updated_at_ms=now_ms,
     )
-    new_run = evolve(run, status=RunStatus.DISPATCHING, updated_at_ms=now_ms)
+    new_run = evolve(run, status=RunStatus.RUNNING, updated_at_ms=now_ms)
     return Change(
         run=new_run,
         attempts=(new_attempt,),
@@ -241,9 +260,66 @@ def grant_lease(
         event=_event(
             new_run,
             new_attempt,
-            EventType.ATTEMPT_OFFERED,
+            EventType.ATTEMPT_STARTED,
             now_ms,
             {"session_id": session.id, "worker_id": session.worker_id, "generation": generation},
+        ),
+    )
+
+
+def release(
+    *,
+    run: Run,
+    attempt: Attempt,
+    lease: DispatchLease | None,
+    session_id: str,
+    cause: str,
+    now_ms: int,
+) -> Change:
+    """The holder hands back an Attempt whose task never began (a drain, a self-fence before
+    the start, a slot that failed to start, a claim answer the worker never received): its
+    lease is released (version + 1, reason ``handed_back``), the Attempt is pristine again and
+    the Run ``queued``, with no ``lost`` verdict (ADR 0007). The lease must still be ``leased``
+    to ``session_id``; its expiry does not matter, since handing back gives authority up."""
+    if run.status not in (RunStatus.RUNNING, RunStatus.DISPATCHING):
+        raise _refuse("run", run.id, run.status.value, "take back an attempt")
+    _require_run(run, RunStatus.QUEUED, "take back an attempt")
+    _require_attempt(run, attempt, AttemptStatus.CLAIMED, "be handed back")
+    own = _lease_of(attempt, lease)
+    if own is None or own.status is not LeaseStatus.LEASED:
+        raise FenceRejected(FenceReason.RELEASED if own else FenceReason.NO_LEASE, attempt.id)
+    if own.holder_session_id != session_id:
+        raise SessionRejected(f"attempt {attempt.id} is not held by session {session_id}")
+    released = _release(own, ReleaseReason.HANDED_BACK, now_ms)
+    new_attempt = evolve(
+        attempt,
+        status=AttemptStatus.CLAIMED,
+        session_id=None,
+        worker_id=None,
+        lease_generation=None,
+        lease_version=None,
+        offered_at_ms=None,
+        accepted_at_ms=None,
+        started_at_ms=None,
+        updated_at_ms=now_ms,
+    )
+    new_run = evolve(run, status=RunStatus.QUEUED, updated_at_ms=now_ms)
+    return Change(
+        run=new_run,
+        attempts=(new_attempt,),
+        lease=released,
+        event=_event(
+            new_run,
+            new_attempt,
+            EventType.ATTEMPT_RELEASED,
+            now_ms,
+            {
+                "cause": cause,
+                "previous_status": attempt.status.value,
+                "session_id": session_id,
+                "lease_generation": released.generation,
+                "lease_version": released.version,
+            },
         ),
     )
 
@@ -255,97 +331,6 @@ def _fenced(
     if attempt.id != fence.attempt_id or attempt.run_id != run.id:
         raise InvalidAdmission("fence, attempt and run do not belong together")
     return live
-
-
-def accept(
-    *,
-    run: Run,
-    attempt: Attempt,
-    lease: DispatchLease | None,
-    session_id: str,
-    generation: int,
-    version: int,
-    token_hash: str,
-    ttl_ms: int,
-    now_ms: int,
-) -> Change:
-    """The session takes the offer and binds its secret token (stored only as a hash). The lease
-    is extended; its version is unchanged. Accepting again with the same token is refused as
-    already accepted, with another token as a fence mismatch."""
-    if lease is None:
-        raise FenceRejected(FenceReason.NO_LEASE, attempt.id)
-    if lease.attempt_id != attempt.id or attempt.run_id != run.id:
-        raise FenceRejected(FenceReason.ATTEMPT_MISMATCH, attempt.id)
-    if lease.generation != generation:
-        raise FenceRejected(FenceReason.GENERATION_MISMATCH, attempt.id)
-    if lease.version != version:
-        raise FenceRejected(FenceReason.VERSION_MISMATCH, attempt.id)
-    if lease.status is not LeaseStatus.LEASED:
-        raise FenceRejected(FenceReason.RELEASED, attempt.id)
-    if lease.expires_at_ms <= now_ms:
-        raise FenceRejected(FenceReason.EXPIRED, attempt.id)
-    if lease.holder_session_id != session_id:
-        raise SessionRejected(f"attempt {attempt.id} was not offered to session {session_id}")
-    if lease.token_hash is not None:
-        if lease.token_hash != token_hash:
-            raise FenceRejected(FenceReason.TOKEN_MISMATCH, attempt.id)
-        raise _refuse("attempt", attempt.id, "claimed (already accepted)", "be accepted")
-    _require_attempt(run, attempt, frozenset({AttemptStatus.CLAIMED}), "be accepted")
-    new_attempt = evolve(attempt, accepted_at_ms=now_ms, updated_at_ms=now_ms)
-    new_lease = evolve(
-        lease, token_hash=token_hash, expires_at_ms=max(lease.expires_at_ms, now_ms + ttl_ms)
-    )
-    return Change(
-        run=run,
-        attempts=(new_attempt,),
-        lease=new_lease,
-        event=_event(run, new_attempt, EventType.ATTEMPT_ACCEPTED, now_ms),
-    )
-
-
-def activate(
-    *,
-    run: Run,
-    attempt: Attempt,
-    lease: DispatchLease | None,
-    fence: LeaseFence,
-    ttl_ms: int,
-    now_ms: int,
-) -> Change:
-    """The start barrier: from here on, external side effects may have begun. Requires an
-    accepted offer (the fence's token was bound at accept)."""
-    live = _fenced(run, attempt, lease, fence, now_ms)
-    _require_attempt(run, attempt, frozenset({AttemptStatus.CLAIMED}), "be activated")
-    _require_run(run, frozenset({RunStatus.DISPATCHING}), "start an attempt")
-    new_attempt = evolve(
-        attempt,
-        status=AttemptStatus.STARTING,
-        started_at_ms=now_ms,
-        updated_at_ms=now_ms,
-    )
-    new_run = evolve(run, status=RunStatus.RUNNING, updated_at_ms=now_ms)
-    new_lease = evolve(live, expires_at_ms=max(live.expires_at_ms, now_ms + ttl_ms))
-    return Change(
-        run=new_run,
-        attempts=(new_attempt,),
-        lease=new_lease,
-        event=_event(new_run, new_attempt, EventType.ATTEMPT_ACTIVATED, now_ms),
-    )
-
-
-def mark_running(
-    *, run: Run, attempt: Attempt, lease: DispatchLease | None, fence: LeaseFence, now_ms: int
-) -> Change:
-    """The worker reports the task body is executing."""
-    live = _fenced(run, attempt, lease, fence, now_ms)
-    _require_attempt(run, attempt, frozenset({AttemptStatus.STARTING}), "be marked running")
-    new_attempt = evolve(attempt, status=AttemptStatus.RUNNING, updated_at_ms=now_ms)
-    return Change(
-        run=run,
-        attempts=(new_attempt,),
-        lease=live,
-        event=_event(run, new_attempt, EventType.ATTEMPT_RUNNING, now_ms),
-    )
 
 
 def renew(
@@ -373,11 +358,15 @@ def complete(
 ) -> Change:
     """The worker reports the outcome. The lease is released with reason ``completed``."""
     live = _fenced(run, attempt, lease, fence, now_ms)
-    started = frozenset({AttemptStatus.STARTING, AttemptStatus.RUNNING})
-    _require_attempt(run, attempt, started, "complete")
-    _require_run(run, frozenset({RunStatus.RUNNING}), "complete")
-    released = _release(live, ReleaseReason.COMPLETED, now_ms)
+    if not storable_text(output) or not storable_text(error):
+        raise InvalidAdmission("an output or error must not hold a NUL character")
     attempt_status = AttemptStatus.SUCCEEDED if succeeded else AttemptStatus.FAILED
+    run_status = RunStatus.SUCCEEDED if succeeded else RunStatus.FAILED
+    _require_attempt(run, attempt, attempt_status, "complete")
+    if run.status is not RunStatus.RUNNING:
+        raise _refuse("run", run.id, run.status.value, "complete")
+    _require_run(run, run_status, "complete")
+    released = _release(live, ReleaseReason.COMPLETED, now_ms)
     new_attempt = evolve(
         attempt,
         status=attempt_status,
@@ -388,7 +377,7 @@ def complete(
     )
     new_run = evolve(
         run,
-        status=RunStatus.SUCCEEDED if succeeded else RunStatus.FAILED,
+        status=run_status,
         output=output if succeeded else None,
         error=None if succeeded else (error or "failed"),
         updated_at_ms=now_ms,
@@ -415,10 +404,8 @@ def mark_lost(
 ) -> Change:
     """Attempt -> ``lost``, Run -> ``lost``; the Attempt's own leased lease (exact generation) is
     released with version + 1 in the same change. A missing lease is not invented."""
-    active = frozenset({AttemptStatus.CLAIMED, AttemptStatus.STARTING, AttemptStatus.RUNNING})
-    _require_attempt(run, attempt, active, "be marked lost")
-    losable = frozenset({RunStatus.DISPATCHING, RunStatus.RUNNING, RunStatus.LOST})
-    _require_run(run, losable, "lose an attempt")
+    _require_attempt(run, attempt, AttemptStatus.LOST, "be marked lost")
+    _require_run(run, RunStatus.LOST, "lose an attempt")
     if attempt.status.is_started and evidence is None:
         raise _refuse("attempt", attempt.id, attempt.status.value, "be lost without evidence")
     own = _lease_of(attempt, lease)
@@ -491,12 +478,11 @@ def cancel(
     now_ms: int,
 ) -> Change:
     """Cancel a non-terminal Run, its current Attempt and that Attempt's leased lease."""
-    if run.status.is_terminal:
-        raise _refuse("run", run.id, run.status.value, "be cancelled")
+    _require_run(run, RunStatus.CANCELLED, "be cancelled")
     attempts: tuple[Attempt, ...] = ()
     released: DispatchLease | None = None
     if attempt is not None and not attempt.status.is_terminal:
-        _require_attempt(run, attempt, frozenset(AttemptStatus) - _TERMINAL_A, "be cancelled")
+        _require_attempt(run, attempt, AttemptStatus.CANCELLED, "be cancelled")
         own = _lease_of(attempt, lease)
         if own is not None and own.status is LeaseStatus.LEASED:
             released = _release(own, ReleaseReason.CANCELLED, now_ms)
@@ -525,5 +511,3 @@ def cancel(
         ),
     )
 
-
-_TERMINAL_A = frozenset(s for s in AttemptStatus if s.is_terminal)

@@ -22,6 +22,7 @@ from domain.errors import InvalidRetryPolicy, InvalidTransition, InvalidWorkflow
 from domain.events import EventType, RunEvent
 from domain.model import JsonValue, Run, RunOwner, RunStatus
 from domain.policy import RetryPolicy, policy_from_document
+from domain.states import require_run_edge
 from domain.transitions import MAX_TASK_NAME_LENGTH, Change, admit
 
 MAX_WORKFLOW_STEPS = 256
@@ -263,6 +264,7 @@ def start_workflow(run: Run, first_steps: Sequence[str], now_ms: int) -> Change:
     _require_workflow(run, "start")
     if run.status is not RunStatus.CREATED:
         raise InvalidTransition("run", run.id, run.status.value, "start a workflow")
+    require_run_edge(run, RunStatus.RUNNING, "start a workflow")
     new_run = evolve(run, status=RunStatus.RUNNING, updated_at_ms=now_ms)
     event = _aggregate_event(
         new_run, EventType.WORKFLOW_STARTED, now_ms, {"steps": list(first_steps)}
@@ -275,6 +277,7 @@ def succeed_workflow(run: Run, output: JsonValue, now_ms: int) -> Change:
     _require_workflow(run, "succeed")
     if run.status is not RunStatus.RUNNING:
         raise InvalidTransition("run", run.id, run.status.value, "succeed as a workflow")
+    require_run_edge(run, RunStatus.SUCCEEDED, "succeed as a workflow")
     new_run = evolve(run, status=RunStatus.SUCCEEDED, output=output, updated_at_ms=now_ms)
     event = _aggregate_event(new_run, EventType.WORKFLOW_SUCCEEDED, now_ms, {})
     return Change(run=new_run, attempts=(), lease=None, event=event)
@@ -285,6 +288,7 @@ def fail_workflow(run: Run, step: WorkflowStep, detail: str | None, now_ms: int)
     _require_workflow(run, "fail")
     if run.status not in (RunStatus.CREATED, RunStatus.RUNNING):
         raise InvalidTransition("run", run.id, run.status.value, "fail as a workflow")
+    require_run_edge(run, RunStatus.FAILED, "fail as a workflow")
     error = f"step {step.step_id} {step.status.value}" + (f": {detail}" if detail else "")
     new_run = evolve(run, status=RunStatus.FAILED, error=error, updated_at_ms=now_ms)
     reason = "step_cancelled" if step.status is StepStatus.CANCELLED else "step_failed"

@@ -11,9 +11,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from application.ports import DueTrigger, Page, RunCandidate, SessionCapacity
+from application.ports import DueTrigger, Page, RunCandidate, SessionCapacity, Snapshot
 from domain.errors import ConcurrencyConflict
 from domain.model import LeaseStatus, RunOwner
+from domain.states import CLAIMABLE_RUN_STATUSES
 from domain.triggers import Trigger, TriggerFiring, TriggerStatus
 from domain.workflows import StepStatus, WorkflowStep, needs_frontier
 
@@ -173,21 +174,34 @@ class MemoryWorkflowRepository:
         return None
 
 
-class MemoryCapacityLocks:
-    def __init__(self, uow: MemoryUnitOfWork) -> None:
-        self._uow = uow
+def session_capacity(state: _State, session_id: str) -> SessionCapacity | None:
+    session = state.sessions.get(session_id)
+    if session is None:
+        return None
+    in_flight = sum(
+        1
+        for lease in state.leases.values()
+        if lease.status is LeaseStatus.LEASED and lease.holder_session_id == session_id
+    )
+    return SessionCapacity(session=session, in_flight=in_flight)
 
-    def lock(self, session_id: str) -> SessionCapacity | None:
-        state = self._uow.read()
-        session = state.sessions.get(session_id)
-        if session is None:
-            return None
-        in_flight = sum(
-            1
-            for lease in state.leases.values()
-            if lease.status is LeaseStatus.LEASED and lease.holder_session_id == session_id
-        )
-        return SessionCapacity(session=session, in_flight=in_flight)
+
+def claimable(state: _State, tasks: Sequence[str], limit_per_task: int) -> list[Snapshot]:
+    """Pristine Attempts of ``queued`` Runs of the tasks, oldest first within each task."""
+    wanted = frozenset(tasks)
+    by_task: dict[str, list[Snapshot]] = {}
+    for run in state.runs.values():
+        if run.status not in CLAIMABLE_RUN_STATUSES or run.task not in wanted:
+            continue
+        attempt = state.latest_attempt(run.id)
+        if attempt is None or not attempt.is_pristine:
+            continue
+        by_task.setdefault(run.task, []).append(state.snapshot(run, attempt))
+    found: list[Snapshot] = []
+    for snapshots in by_task.values():
+        snapshots.sort(key=lambda s: (s.attempt.created_at_ms if s.attempt else 0, s.run.id))
+        found.extend(snapshots[:limit_per_task])
+    return found
 
 
 def in_flight_by_task(state: _State, tasks: Sequence[str]) -> dict[str, int]:

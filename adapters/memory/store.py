@@ -27,15 +27,16 @@ from adapters.memory import scheduling
 from adapters.memory.clock import FakeClock
 from application.ports import (
     HARD_PAGE_CAP,
+    OPEN_GATE,
+    ClaimLock,
+    DispatchGate,
+    DispatchGateRepository,
     DueTrigger,
     EvidenceRepository,
     Page,
-    QueuedAttempt,
     RecoveryCandidate,
     RunCandidate,
     RunRepository,
-    SessionCapacity,
-    SessionCapacityLocks,
     Snapshot,
     StoredEvent,
     TriggerRepository,
@@ -45,17 +46,16 @@ from application.ports import (
 from domain.errors import ConcurrencyConflict
 from domain.model import (
     Attempt,
-    AttemptStatus,
     DispatchLease,
     LeaseStatus,
     Run,
     RunOwner,
     RunStatus,
-    SessionStatus,
     StopReport,
     WorkerSession,
 )
 from domain.recovery import find_not_running_evidence, is_recovery_candidate, is_resolvable
+from domain.states import NON_TERMINAL_ATTEMPT_STATUSES, OPEN_SESSION_STATUSES
 from domain.transitions import Change
 from domain.triggers import Trigger, TriggerFiring
 from domain.workflows import WorkflowStep
@@ -63,11 +63,6 @@ from domain.workflows import WorkflowStep
 if TYPE_CHECKING:
     from application.ports import SchedulerStore, SchedulerUnitOfWork
 
-# Attempt statuses of which a Run may have at most one (partial unique index in PostgreSQL).
-NON_TERMINAL_ATTEMPT_STATUSES = frozenset(
-    {AttemptStatus.CLAIMED, AttemptStatus.STARTING, AttemptStatus.RUNNING}
-)
-OPEN_SESSION_STATUSES = frozenset({SessionStatus.ACTIVE, SessionStatus.DRAINING})
 LeaseKey = tuple[str, int]
 SinceOf = Callable[[Run], int]
 
@@ -104,6 +99,7 @@ class _State:
     firings: dict[tuple[str, int], TriggerFiring] = field(default_factory=dict)
     # workflow run id -> its steps ordered by position
     workflow_steps: dict[str, tuple[WorkflowStep, ...]] = field(default_factory=dict)
+    gate: DispatchGate = OPEN_GATE
 
     def copy(self) -> _State:
         return replace(
@@ -258,7 +254,7 @@ class MemoryUnitOfWork:
         self.evidence: EvidenceRepository = MemoryEvidenceRepository(self)
         self.triggers: TriggerRepository = scheduling.MemoryTriggerRepository(self)
         self.workflows: WorkflowRepository = scheduling.MemoryWorkflowRepository(self)
-        self.capacity: SessionCapacityLocks = scheduling.MemoryCapacityLocks(self)
+        self.gate: DispatchGateRepository = MemoryGateRepository(self)
 
     def __enter__(self) -> MemoryUnitOfWork:
         if self._entered:
@@ -329,6 +325,14 @@ class MemoryRunRepository(OneAtATime):
         _check_invariants(state, writes, change)
         _install(self._uow.write(), writes, change)
 
+    def add_many(self, changes: Sequence[Change]) -> None:
+        state = self._uow.read()
+        ids = [change.run.id for change in changes]
+        if len(set(ids)) != len(ids) or any(run_id in state.runs for run_id in ids):
+            raise _conflict("a run of the batch already exists")
+        for change in changes:
+            self.add(change)
+
     def lock_attempt(self, attempt_id: str, *, skip_locked: bool = False) -> Snapshot | None:
         # A memory transaction holds the store's lock for its whole life: never contended.
         state = self._uow.read()
@@ -339,6 +343,27 @@ class MemoryRunRepository(OneAtATime):
         if run is None:
             return None
         return state.snapshot(run, attempt)
+
+    def lock_for_claim(
+        self, session_id: str, tasks: Sequence[str], limit_per_task: int
+    ) -> ClaimLock:
+        state = self._uow.read()
+        now_ms = self._uow.now_ms()
+        capacity = scheduling.session_capacity(state, session_id)
+        candidates: list[Snapshot] = []
+        in_flight: dict[str, int] = {}
+        if state.gate.open and capacity is not None:
+            candidates = scheduling.claimable(state, tasks, limit_per_task)
+            in_flight = scheduling.in_flight_by_task(
+                state, sorted({s.run.task for s in candidates})
+            )
+        return ClaimLock(
+            capacity=capacity,
+            gate=state.gate,
+            candidates=tuple(candidates),
+            in_flight_by_task=in_flight,
+            observed_at_ms=now_ms,
+        )
 
     def lock_run(self, run_id: str) -> Snapshot | None:
         state = self._uow.read()
@@ -464,21 +489,15 @@ class MemorySessionRegistry:
         self._check_one_open_per_worker(state, after)
         self._uow.write().sessions[after.id] = after
 
-    def offers_of(self, session_id: str) -> Sequence[tuple[Run, Attempt, DispatchLease]]:
+    def held_by(self, session_id: str) -> Sequence[str]:
         state = self._uow.read()
-        offers: list[tuple[Run, Attempt, DispatchLease]] = []
-        for lease in state.leases.values():
-            if (
-                lease.status is not LeaseStatus.LEASED
-                or lease.holder_session_id != session_id
-                or lease.token_hash is not None
-            ):
-                continue
-            attempt = state.attempts.get(lease.attempt_id)
-            if attempt is not None and attempt.status is AttemptStatus.CLAIMED:
-                offers.append((state.runs[attempt.run_id], attempt, lease))
-        offers.sort(key=lambda offer: (offer[2].granted_at_ms, offer[1].id))
-        return tuple(offers)
+        return tuple(
+            sorted(
+                lease.attempt_id
+                for lease in state.leases.values()
+                if lease.status is LeaseStatus.LEASED and lease.holder_session_id == session_id
+            )
+        )
 
     @staticmethod
     def _check_one_open_per_worker(state: _State, session: WorkerSession) -> None:
@@ -500,6 +519,14 @@ def _open_sessions_of(
 ) -> tuple[WorkerSession, ...]:
     found = [s for s in sessions if s.worker_id == worker_id and s.status in OPEN_SESSION_STATUSES]
     return tuple(sorted(found, key=lambda s: s.id))
+
+
+class MemoryGateRepository:
+    def __init__(self, uow: MemoryUnitOfWork) -> None:
+        self._uow = uow
+
+    def set(self, gate: DispatchGate) -> None:
+        self._uow.write().gate = gate
 
 
 class MemoryEvidenceRepository:
@@ -662,60 +689,14 @@ class MemoryStore:
             )
             return Page(items=items, has_more=len(orphans) > limit, observed_at_ms=now)
 
-    # DispatchSource
+    # DispatchGateSource
 
-    def queued_attempts(self, limit_per_task: int, tasks: Sequence[str]) -> Page[QueuedAttempt]:
-        check_page_limit(limit_per_task, "limit_per_task")
-        wanted = frozenset(tasks)
-        with self._lock:
-            state, now = self._committed()
-            by_task: dict[str, list[QueuedAttempt]] = {}
-            for run in state.runs.values():
-                if run.status is not RunStatus.QUEUED or run.task not in wanted:
-                    continue
-                attempt = state.latest_attempt(run.id)
-                if attempt is None or not attempt.is_pristine:
-                    continue
-                by_task.setdefault(run.task, []).append(
-                    QueuedAttempt(
-                        run_id=run.id,
-                        attempt_id=attempt.id,
-                        task=run.task,
-                        queued_at_ms=attempt.created_at_ms,
-                    )
-                )
-            page: list[QueuedAttempt] = []
-            has_more = False
-            for queued in by_task.values():
-                queued.sort(key=lambda q: (q.queued_at_ms, q.run_id))
-                page.extend(queued[:limit_per_task])
-                has_more = has_more or len(queued) > limit_per_task
-            page.sort(key=lambda q: (q.queued_at_ms, q.run_id))
-            return Page(items=tuple(page), has_more=has_more, observed_at_ms=now)
-
-    def available_sessions(self, max_silence_ms: int) -> Sequence[SessionCapacity]:
-        with self._lock:
-            state, now = self._committed()
-            in_flight: dict[str, int] = {}
-            for lease in state.leases.values():
-                if lease.status is LeaseStatus.LEASED:
-                    holder = lease.holder_session_id
-                    in_flight[holder] = in_flight.get(holder, 0) + 1
-            available = [
-                SessionCapacity(session=s, in_flight=in_flight.get(s.id, 0))
-                for s in state.sessions.values()
-                if s.status is SessionStatus.ACTIVE
-                and s.last_heartbeat_at_ms > now - max_silence_ms
-            ]
-            available.sort(key=lambda c: c.session.id)
-            return tuple(available)
-
-    # TaskAdmissionSource, TriggerSource and WorkflowFrontierSource
-
-    def in_flight_by_task(self, tasks: Sequence[str]) -> dict[str, int]:
+    def dispatch_gate(self) -> DispatchGate:
         with self._lock:
             state, _ = self._committed()
-            return scheduling.in_flight_by_task(state, tasks)
+            return state.gate
+
+    # TriggerSource and WorkflowFrontierSource
 
     def due_triggers(self, limit: int) -> Page[DueTrigger]:
         check_page_limit(limit)

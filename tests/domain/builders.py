@@ -3,17 +3,22 @@ so that every fixture is a state the domain can actually reach."""
 
 from __future__ import annotations
 
+from attrs import evolve
+
 from domain.fence import LeaseFence, hash_token
 from domain.model import (
     Attempt,
+    AttemptStatus,
     DispatchLease,
+    LeaseStatus,
     Run,
     RunOwner,
+    RunStatus,
     SessionStatus,
     WorkerSession,
 )
 from domain.policy import RetryPolicy
-from domain.transitions import accept, activate, admit, grant_lease, mark_running
+from domain.transitions import admit, claim
 
 NOW = 1_000_000
 TTL = 30_000
@@ -52,42 +57,47 @@ def queued(
     return change.run, change.attempts[0]
 
 
-def offered(
+def running(
     *, policy: RetryPolicy | None = None, owner: RunOwner = RunOwner.RUNTIME,
     previous: DispatchLease | None = None,
-) -> tuple[Run, Attempt, DispatchLease]:
+) -> tuple[Run, Attempt, DispatchLease, LeaseFence]:
+    """A queued Run claimed and started by session s1 (ADR 0007)."""
     run, attempt = queued(policy=policy, owner=owner)
-    change = grant_lease(
-        run=run, attempt=attempt, previous_lease=previous, session=session(), ttl_ms=TTL,
-        now_ms=NOW,
-    )
-    assert change.lease is not None
-    return change.run, change.attempts[0], change.lease
-
-
-def accepted(**kwargs: object) -> tuple[Run, Attempt, DispatchLease, LeaseFence]:
-    run, attempt, lease = offered(**kwargs)  # type: ignore[arg-type]
-    change = accept(
-        run=run, attempt=attempt, lease=lease, session_id="s1", generation=lease.generation,
-        version=lease.version, token_hash=hash_token(TOKEN), ttl_ms=TTL, now_ms=NOW + 1,
+    change = claim(
+        run=run, attempt=attempt, previous_lease=previous, session=session(),
+        token_hash=hash_token(TOKEN), ttl_ms=TTL, now_ms=NOW,
     )
     assert change.lease is not None
     fence = LeaseFence(
-        attempt_id=attempt.id, generation=lease.generation, version=lease.version, token=TOKEN
+        attempt_id=attempt.id, generation=change.lease.generation,
+        version=change.lease.version, token=TOKEN,
     )
     return change.run, change.attempts[0], change.lease, fence
 
 
-def started(**kwargs: object) -> tuple[Run, Attempt, DispatchLease, LeaseFence]:
-    run, attempt, lease, fence = accepted(**kwargs)
-    change = activate(run=run, attempt=attempt, lease=lease, fence=fence, ttl_ms=TTL,
-                      now_ms=NOW + 2)
-    assert change.lease is not None
-    return change.run, change.attempts[0], change.lease, fence
+def legacy_offered(
+    *, policy: RetryPolicy | None = None, owner: RunOwner = RunOwner.RUNTIME,
+    started: bool = False,
+) -> tuple[Run, Attempt, DispatchLease, LeaseFence]:
+    """Rows the offer protocol of ADR 0005 left behind: an Attempt offered to s1 and accepted
+    (``dispatching``/``claimed``), or activated (``running``/``starting``). No transition makes
+    them any more; recovery, completion, cancellation and hand-back still take them."""
+    run, attempt = queued(policy=policy, owner=owner)
+    lease = DispatchLease(
+        run_id=run.id, attempt_id=attempt.id, generation=1, version=1,
+        status=LeaseStatus.LEASED, holder_session_id="s1", token_hash=hash_token(TOKEN),
+        expires_at_ms=NOW + TTL, granted_at_ms=NOW,
+    )
+    attempt = evolve(
+        attempt, session_id="s1", worker_id="w1", lease_generation=1, lease_version=1,
+        offered_at_ms=NOW, accepted_at_ms=NOW + 1, updated_at_ms=NOW + 1,
+        status=AttemptStatus.STARTING if started else AttemptStatus.CLAIMED,
+        started_at_ms=NOW + 2 if started else None,
+    )
+    run = evolve(run, status=RunStatus.RUNNING if started else RunStatus.DISPATCHING)
+    fence = LeaseFence(attempt_id=attempt.id, generation=1, version=1, token=TOKEN)
+    return run, attempt, lease, fence
 
 
-def running(**kwargs: object) -> tuple[Run, Attempt, DispatchLease, LeaseFence]:
-    run, attempt, lease, fence = started(**kwargs)
-    change = mark_running(run=run, attempt=attempt, lease=lease, fence=fence, now_ms=NOW + 3)
-    assert change.lease is not None
-    return change.run, change.attempts[0], change.lease, fence
+def legacy_started(**kwargs: object) -> tuple[Run, Attempt, DispatchLease, LeaseFence]:
+    return legacy_offered(started=True, **kwargs)  # type: ignore[arg-type]

@@ -33,7 +33,15 @@ from domain.retry import (
 )
 from domain.sessions import close, drain, heartbeat, register_session
 from domain.transitions import mark_lost
-from tests.domain.builders import NOW, TTL, accepted, queued, running, session, started
+from tests.domain.builders import (
+    NOW,
+    TTL,
+    legacy_offered,
+    legacy_started,
+    queued,
+    running,
+    session,
+)
 
 EXPIRED = NOW + 10 * TTL
 
@@ -47,7 +55,7 @@ def _evidence(kind: EvidenceKind, attempt_id: str) -> NotRunningEvidence:
 
 
 def test_expired_claimed_attempt_becomes_lost_and_its_lease_is_released() -> None:
-    run, attempt, lease, _ = accepted()
+    run, attempt, lease, _ = legacy_offered()
     resolution = resolve_recovery(run=run, attempt=attempt, lease=lease, evidence=None,
                                   now_ms=EXPIRED)
     assert resolution.recovered and resolution.hold is None
@@ -66,7 +74,7 @@ def test_expired_claimed_attempt_becomes_lost_and_its_lease_is_released() -> Non
     assert change.event.data["lease_version"] == lease.version + 1
 
 
-@pytest.mark.parametrize("build", [started, running])
+@pytest.mark.parametrize("build", [legacy_started, running])
 def test_expired_started_attempt_without_evidence_is_held(build) -> None:  # type: ignore[no-untyped-def]
     run, attempt, lease, _ = build()
     resolution = resolve_recovery(run=run, attempt=attempt, lease=lease, evidence=None,
@@ -76,7 +84,7 @@ def test_expired_started_attempt_without_evidence_is_held(build) -> None:  # typ
 
 
 @pytest.mark.parametrize("kind", list(EvidenceKind))
-@pytest.mark.parametrize("build", [started, running])
+@pytest.mark.parametrize("build", [legacy_started, running])
 def test_expired_started_attempt_with_evidence_is_lost(build, kind: EvidenceKind) -> None:  # type: ignore[no-untyped-def]
     run, attempt, lease, _ = build()
     resolution = resolve_recovery(run=run, attempt=attempt, lease=lease,
@@ -105,7 +113,7 @@ def test_pristine_and_workflow_owned_attempts_are_not_candidates() -> None:
     resolution = resolve_recovery(run=run, attempt=attempt, lease=None, evidence=None,
                                   now_ms=EXPIRED)
     assert resolution.hold is RecoveryHold.NOT_A_CANDIDATE
-    run, attempt, lease, _ = accepted(owner=RunOwner.WORKFLOW)
+    run, attempt, lease, _ = legacy_offered(owner=RunOwner.WORKFLOW)
     assert not is_recovery_candidate(run, attempt, lease, EXPIRED)
     resolution = resolve_recovery(run=run, attempt=attempt, lease=lease, evidence=None,
                                   now_ms=EXPIRED)
@@ -121,7 +129,7 @@ def test_terminal_attempts_are_not_candidates() -> None:
 
 
 def test_missing_lease_is_lost_without_inventing_a_release() -> None:
-    run, attempt, _, _ = accepted()
+    run, attempt, _, _ = legacy_offered()
     resolution = resolve_recovery(run=run, attempt=attempt, lease=None, evidence=None,
                                   now_ms=NOW + 1)
     change = resolution.change
@@ -232,7 +240,7 @@ def test_safe_policies_with_attempts_left_retry_after_the_backoff(safety: Safety
 
 
 def _lost(policy: RetryPolicy | None):  # type: ignore[no-untyped-def]
-    run, attempt, lease, _ = accepted(policy=policy)
+    run, attempt, lease, _ = legacy_offered(policy=policy)
     change = mark_lost(run=run, attempt=attempt, lease=lease, evidence=None,
                        release_reason=ReleaseReason.LEASE_EXPIRED, now_ms=EXPIRED,
                        cause="lease_expired")

@@ -14,7 +14,7 @@ from domain.errors import (
     SessionRejected,
 )
 from domain.events import EventType
-from domain.fence import LeaseFence, check_fence, check_holder, hash_token, secrets_match
+from domain.fence import check_fence, check_holder, hash_token, secrets_match
 from domain.model import (
     AttemptStatus,
     EvidenceKind,
@@ -27,15 +27,13 @@ from domain.model import (
 from domain.policy import Backoff, RetryPolicy, Safety
 from domain.transitions import (
     abandon,
-    accept,
-    activate,
     admit,
     cancel,
+    claim,
     complete,
     create_first_attempt,
-    grant_lease,
     mark_lost,
-    mark_running,
+    release,
     renew,
 )
 from tests.domain.builders import (
@@ -43,12 +41,11 @@ from tests.domain.builders import (
     OTHER_TOKEN,
     TOKEN,
     TTL,
-    accepted,
-    offered,
+    legacy_offered,
+    legacy_started,
     queued,
     running,
     session,
-    started,
 )
 
 # --- admit --------------------------------------------------------------------------------------
@@ -79,10 +76,23 @@ def test_admit_without_attempt_id_stays_created_without_attempt() -> None:
     assert change.event.attempt_id is None
 
 
-@pytest.mark.parametrize("task", ["", " t", "t ", "x" * 201])
+@pytest.mark.parametrize("task", ["", " t", "t ", "x" * 201, "a\x00b"])
 def test_admit_refuses_invalid_task_names(task: str) -> None:
     with pytest.raises(InvalidAdmission):
         admit(run_id="r", attempt_id="a", task=task, input=None, policy=None, now_ms=0)
+
+
+@pytest.mark.parametrize(
+    "value", ["\x00", ["ok", "a\x00"], {"k\x00": 1}, {"k": {"n": "\x00"}}]
+)
+def test_nul_characters_are_refused_in_inputs_and_outputs(value: object) -> None:
+    with pytest.raises(InvalidAdmission):
+        admit(run_id="r", attempt_id="a", task="t", input=value,  # type: ignore[arg-type]
+              policy=None, now_ms=NOW)
+    run, attempt, lease, fence = running()
+    with pytest.raises(InvalidAdmission):
+        complete(run=run, attempt=attempt, lease=lease, fence=fence, succeeded=True,
+                 output=value, error=None, now_ms=NOW + 1)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(("run_id", "attempt_id"), [("", "a"), ("r", "")])
@@ -129,165 +139,118 @@ def test_create_first_attempt_queues_a_created_run() -> None:
         create_first_attempt(change.run, "a2", 8)
 
 
-# --- grant_lease --------------------------------------------------------------------------------
+# --- claim --------------------------------------------------------------------------------------
 
 
-def test_grant_lease_first_generation_version_1_token_unbound() -> None:
+def _claim(run, attempt, *, previous=None, sess=None, now=NOW):  # type: ignore[no-untyped-def]
+    return claim(run=run, attempt=attempt, previous_lease=previous, session=sess or session(),
+                 token_hash=hash_token(TOKEN), ttl_ms=TTL, now_ms=now)
+
+
+def test_claim_starts_a_queued_run_under_a_new_lease_in_one_change() -> None:
     run, attempt = queued()
-    change = grant_lease(
-        run=run, attempt=attempt, previous_lease=None, session=session(), ttl_ms=TTL, now_ms=NOW
-    )
+    change = _claim(run, attempt)
     lease = change.lease
     assert lease is not None
     assert (lease.generation, lease.version, lease.status) == (1, 1, LeaseStatus.LEASED)
-    assert lease.token_hash is None
+    assert lease.token_hash == hash_token(TOKEN) and lease.token_hash != TOKEN
     assert lease.holder_session_id == "s1"
     assert lease.expires_at_ms == NOW + TTL
-    assert change.run.status is RunStatus.DISPATCHING
+    assert change.run.status is RunStatus.RUNNING
     (new_attempt,) = change.attempts
-    assert new_attempt.status is AttemptStatus.CLAIMED
+    assert new_attempt.status is AttemptStatus.RUNNING
+    assert new_attempt.status.is_started
     assert (new_attempt.session_id, new_attempt.worker_id) == ("s1", "w1")
     assert (new_attempt.lease_generation, new_attempt.lease_version) == (1, 1)
-    assert new_attempt.offered_at_ms == NOW
+    assert new_attempt.offered_at_ms == new_attempt.started_at_ms == NOW
     assert not new_attempt.is_pristine
-    assert change.event.type is EventType.ATTEMPT_OFFERED
-    assert change.event.data["generation"] == 1
+    assert change.event.type is EventType.ATTEMPT_STARTED
+    assert change.event.data == {"session_id": "s1", "worker_id": "w1", "generation": 1}
 
 
-def test_grant_lease_numbers_generations_after_a_released_previous_lease() -> None:
-    _, _, old = offered()
+def test_claim_numbers_generations_after_a_released_previous_lease() -> None:
+    _, _, old, _ = running()
     released = evolve(old, generation=3, version=2, status=LeaseStatus.RELEASED)
     run, attempt = queued()
-    change = grant_lease(
-        run=run, attempt=attempt, previous_lease=released, session=session(), ttl_ms=TTL,
-        now_ms=NOW,
-    )
+    change = _claim(run, attempt, previous=released)
     assert change.lease is not None
-    assert change.lease.generation == 4
-    assert change.lease.version == 1
+    assert (change.lease.generation, change.lease.version) == (4, 1)
 
 
-def test_grant_lease_refusals() -> None:
-    run, _, lease = offered()
+def test_claim_refusals() -> None:
+    run, _, lease, _ = running()
     fresh_run, fresh_attempt = queued()
     with pytest.raises(InvalidTransition):  # run not queued
-        grant_lease(run=run, attempt=fresh_attempt, previous_lease=None, session=session(),
-                    ttl_ms=TTL, now_ms=NOW)
+        _claim(run, fresh_attempt)
     with pytest.raises(InvalidTransition):  # attempt not pristine
-        grant_lease(run=fresh_run, attempt=evolve(fresh_attempt, offered_at_ms=1),
-                    previous_lease=None, session=session(), ttl_ms=TTL, now_ms=NOW)
+        _claim(fresh_run, evolve(fresh_attempt, offered_at_ms=1))
+    offered_run, offered_attempt, _, _ = legacy_offered()
+    with pytest.raises(InvalidTransition):  # offered under the old protocol
+        _claim(offered_run, offered_attempt)
     for status in (SessionStatus.DRAINING, SessionStatus.CLOSED, SessionStatus.REPLACED):
         with pytest.raises(SessionRejected):
-            grant_lease(run=fresh_run, attempt=fresh_attempt, previous_lease=None,
-                        session=session(status=status), ttl_ms=TTL, now_ms=NOW)
+            _claim(fresh_run, fresh_attempt, sess=session(status=status))
     with pytest.raises(SessionRejected):
-        grant_lease(run=fresh_run, attempt=fresh_attempt, previous_lease=None,
-                    session=session(tasks=("other",)), ttl_ms=TTL, now_ms=NOW)
+        _claim(fresh_run, fresh_attempt, sess=session(tasks=("other",)))
     with pytest.raises(InvalidTransition):  # the previous lease is still leased
-        grant_lease(run=fresh_run, attempt=fresh_attempt, previous_lease=lease,
-                    session=session(), ttl_ms=TTL, now_ms=NOW)
+        _claim(fresh_run, fresh_attempt, previous=lease)
 
 
-# --- accept -------------------------------------------------------------------------------------
+# --- release ------------------------------------------------------------------------------------
 
 
-def test_accept_binds_the_token_hash_and_keeps_the_version() -> None:
-    run, attempt, lease = offered()
-    change = accept(run=run, attempt=attempt, lease=lease, session_id="s1", generation=1,
-                    version=1, token_hash=hash_token(TOKEN), ttl_ms=TTL, now_ms=NOW + 10)
-    assert change.lease is not None
-    assert change.lease.token_hash == hash_token(TOKEN)
-    assert change.lease.token_hash != TOKEN
-    assert change.lease.version == 1
-    assert change.lease.expires_at_ms == NOW + 10 + TTL
-    assert change.run == run
-    assert change.attempts[0].accepted_at_ms == NOW + 10
-    assert change.attempts[0].status is AttemptStatus.CLAIMED
-    assert change.event.type is EventType.ATTEMPT_ACCEPTED
+@pytest.mark.parametrize("build", [running, legacy_offered, legacy_started])
+def test_release_hands_an_unstarted_attempt_back_without_a_verdict(build) -> None:  # type: ignore[no-untyped-def]
+    run, attempt, lease, _ = build()
+    change = release(run=run, attempt=attempt, lease=lease, session_id="s1", cause="drain",
+                     now_ms=NOW + 7)
+    assert change.run.status is RunStatus.QUEUED
+    (back,) = change.attempts
+    assert back.is_pristine and back.id == attempt.id and back.number == attempt.number
+    assert back.lost_evidence is None
+    released = change.lease
+    assert released is not None
+    assert released.status is LeaseStatus.RELEASED
+    assert released.release_reason is ReleaseReason.HANDED_BACK
+    assert released.version == lease.version + 1
+    assert change.event.type is EventType.ATTEMPT_RELEASED
+    assert change.event.data["cause"] == "drain"
+    assert change.event.data["previous_status"] == attempt.status.value
+    # the Run can be claimed again, under the next generation
+    again = _claim(change.run, back, previous=released, now=NOW + 8)
+    assert again.lease is not None and again.lease.generation == lease.generation + 1
 
 
-def _accept(run, attempt, lease, *, token=TOKEN, session_id="s1", now=NOW + 20, **kw):  # type: ignore[no-untyped-def]
-    return accept(run=run, attempt=attempt, lease=lease, session_id=session_id,
-                  generation=kw.get("generation", lease.generation),
-                  version=kw.get("version", lease.version), token_hash=hash_token(token),
-                  ttl_ms=TTL, now_ms=now)
+def test_release_of_an_expired_lease_is_allowed() -> None:
+    run, attempt, lease, _ = running()
+    change = release(run=run, attempt=attempt, lease=lease, session_id="s1", cause="x",
+                     now_ms=lease.expires_at_ms + 1)
+    assert change.run.status is RunStatus.QUEUED
 
 
-def test_accept_again_with_the_same_token_is_already_accepted() -> None:
-    run, attempt, lease, _ = accepted()
-    with pytest.raises(InvalidTransition) as raised:
-        _accept(run, attempt, lease)
-    assert "already accepted" in str(raised.value)
-
-
-def test_accept_with_another_token_is_a_token_mismatch() -> None:
-    run, attempt, lease, _ = accepted()
-    with pytest.raises(FenceRejected) as raised:
-        _accept(run, attempt, lease, token=OTHER_TOKEN)
-    assert raised.value.reason is FenceReason.TOKEN_MISMATCH
-
-
-def test_accept_by_a_foreign_session_is_rejected() -> None:
-    run, attempt, lease = offered()
+def test_release_refusals() -> None:
+    run, attempt, lease, _ = running()
     with pytest.raises(SessionRejected):
-        _accept(run, attempt, lease, session_id="s2")
-
-
-def test_accept_after_expiry_is_rejected_as_expired() -> None:
-    run, attempt, lease = offered()
+        release(run=run, attempt=attempt, lease=lease, session_id="s2", cause="x", now_ms=NOW)
     with pytest.raises(FenceRejected) as raised:
-        _accept(run, attempt, lease, now=lease.expires_at_ms)
-    assert raised.value.reason is FenceReason.EXPIRED
-
-
-def test_accept_with_wrong_generation_or_version_or_no_lease() -> None:
-    run, attempt, lease = offered()
+        release(run=run, attempt=attempt, lease=evolve(lease, status=LeaseStatus.RELEASED),
+                session_id="s1", cause="x", now_ms=NOW)
+    assert raised.value.reason is FenceReason.RELEASED
     with pytest.raises(FenceRejected) as raised:
-        _accept(run, attempt, lease, generation=2)
-    assert raised.value.reason is FenceReason.GENERATION_MISMATCH
-    with pytest.raises(FenceRejected) as raised:
-        _accept(run, attempt, lease, version=2)
-    assert raised.value.reason is FenceReason.VERSION_MISMATCH
-    with pytest.raises(FenceRejected) as raised:
-        accept(run=run, attempt=attempt, lease=None, session_id="s1", generation=1, version=1,
-               token_hash=hash_token(TOKEN), ttl_ms=TTL, now_ms=NOW)
+        release(run=run, attempt=attempt, lease=None, session_id="s1", cause="x", now_ms=NOW)
     assert raised.value.reason is FenceReason.NO_LEASE
-
-
-# --- activate, mark_running, renew ---------------------------------------------------------------
-
-
-def test_activate_crosses_the_start_barrier() -> None:
-    run, attempt, lease, fence = accepted()
-    change = activate(run=run, attempt=attempt, lease=lease, fence=fence, ttl_ms=TTL,
-                      now_ms=NOW + 50)
-    assert change.run.status is RunStatus.RUNNING
-    assert change.attempts[0].status is AttemptStatus.STARTING
-    assert change.attempts[0].started_at_ms == NOW + 50
-    assert change.lease is not None and change.lease.version == lease.version
-    assert change.event.type is EventType.ATTEMPT_ACTIVATED
-
-
-def test_activate_needs_an_accepted_offer_and_a_claimed_attempt() -> None:
-    run, attempt, lease = offered()
-    fence = LeaseFence(attempt_id=attempt.id, generation=1, version=1, token=TOKEN)
-    with pytest.raises(FenceRejected) as raised:
-        activate(run=run, attempt=attempt, lease=lease, fence=fence, ttl_ms=TTL, now_ms=NOW + 5)
-    assert raised.value.reason is FenceReason.TOKEN_MISMATCH
-    run, attempt, lease, fence = started()
+    done = complete(run=run, attempt=attempt, lease=lease, fence=running()[3], succeeded=True,
+                    output=None, error=None, now_ms=NOW + 1)
     with pytest.raises(InvalidTransition):
-        activate(run=run, attempt=attempt, lease=lease, fence=fence, ttl_ms=TTL, now_ms=NOW + 5)
-
-
-def test_mark_running_from_starting_only() -> None:
-    run, attempt, lease, fence = started()
-    change = mark_running(run=run, attempt=attempt, lease=lease, fence=fence, now_ms=NOW + 9)
-    assert change.attempts[0].status is AttemptStatus.RUNNING
-    assert change.run.status is RunStatus.RUNNING
-    assert change.event.type is EventType.ATTEMPT_RUNNING
-    run, attempt, lease, fence = accepted()
+        release(run=done.run, attempt=done.attempts[0], lease=lease, session_id="s1",
+                cause="x", now_ms=NOW + 2)
+    queued_run, queued_attempt = queued()
     with pytest.raises(InvalidTransition):
-        mark_running(run=run, attempt=attempt, lease=lease, fence=fence, now_ms=NOW + 9)
+        release(run=queued_run, attempt=queued_attempt, lease=None, session_id="s1",
+                cause="x", now_ms=NOW)
+
+
+# --- renew --------------------------------------------------------------------------------------
 
 
 def test_renew_moves_only_expires_at() -> None:
@@ -344,11 +307,11 @@ def test_complete_releases_the_lease_with_reason_completed(succeeded: bool) -> N
 
 
 def test_complete_from_starting_is_allowed_and_from_claimed_refused() -> None:
-    run, attempt, lease, fence = started()
+    run, attempt, lease, fence = legacy_started()
     change = complete(run=run, attempt=attempt, lease=lease, fence=fence, succeeded=True,
                       output=None, error=None, now_ms=NOW + 10)
     assert change.run.status is RunStatus.SUCCEEDED
-    run, attempt, lease, fence = accepted()
+    run, attempt, lease, fence = legacy_offered()
     with pytest.raises(InvalidTransition):
         complete(run=run, attempt=attempt, lease=lease, fence=fence, succeeded=True,
                  output=None, error=None, now_ms=NOW + 10)
@@ -388,7 +351,7 @@ def test_mark_lost_of_a_started_attempt_needs_evidence() -> None:
 
 
 def test_mark_lost_of_a_claimed_attempt_without_evidence_releases_its_lease() -> None:
-    run, attempt, lease, _ = accepted()
+    run, attempt, lease, _ = legacy_offered()
     change = mark_lost(run=run, attempt=attempt, lease=lease, evidence=None,
                        release_reason=ReleaseReason.LEASE_EXPIRED, now_ms=NOW + TTL * 2,
                        cause="lease_expired")
@@ -398,7 +361,7 @@ def test_mark_lost_of_a_claimed_attempt_without_evidence_releases_its_lease() ->
 
 
 def test_mark_lost_ignores_a_lease_of_another_generation() -> None:
-    run, attempt, lease, _ = accepted()
+    run, attempt, lease, _ = legacy_offered()
     other = evolve(lease, generation=lease.generation + 1)
     change = mark_lost(run=run, attempt=attempt, lease=other, evidence=None,
                        release_reason=ReleaseReason.LEASE_EXPIRED, now_ms=NOW + TTL * 2,
