@@ -9,11 +9,16 @@ value a query compares with is exactly the ``observed_at_ms`` it reports.
 
 Status constants are rendered as SQL literals, not bound parameters, so that the planner can
 match the partial indexes of :mod:`adapters.sql.schema` even with a generic (prepared) plan.
+
+A transaction that puts a Run into ``queued`` sends a notification on :data:`DISPATCH_CHANNEL`
+before it commits (folded into its write statement, see :mod:`adapters.postgres.hot`):
+PostgreSQL delivers it at commit, once per transaction however many were sent, and never for a
+transaction that rolls back. A node's one ``LISTEN`` connection wakes its parked claims on it
+(ADR 0007).
 """
 
 from __future__ import annotations
 
-import datetime as dt
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,7 +30,6 @@ from sqlalchemy import (
     Select,
     Text,
     Update,
-    any_,
     bindparam,
     func,
     literal_column,
@@ -34,13 +38,13 @@ from sqlalchemy import (
     true,
     type_coerce,
 )
-from sqlalchemy.dialects import postgresql
 from sqlalchemy.sql.elements import BindParameter
 
 from adapters.sql import statements
 from adapters.sql.schema import (
     ALL_TABLES,
     EpochMillis,
+    dispatch_gate,
     run_attempts,
     run_dispatch_leases,
     runs,
@@ -50,6 +54,9 @@ from domain.model import DispatchLease, RunOwner, RunStatus
 
 # The first key of every two-key advisory lock the store takes: "QL3" in ASCII, an int4.
 ADVISORY_LOCK_NAMESPACE = 0x514C33
+
+# Where a commit that puts a Run into ``queued`` notifies (``LISTEN ql3_dispatch``).
+DISPATCH_CHANNEL = "ql3_dispatch"
 
 SESSION_COLUMNS = "s_"
 
@@ -148,8 +155,8 @@ def open_sessions_of(worker_id: str) -> Select:
     return statements.open_sessions_of(worker_id, POSTGRES).with_for_update()
 
 
-def offers_of(session_id: str) -> Select:
-    return statements.offers_of(session_id, POSTGRES)
+def held_by(session_id: str) -> Select:
+    return statements.held_by(session_id, POSTGRES)
 
 
 # --- candidate sources: one statement each -----------------------------------------------------
@@ -237,61 +244,14 @@ def orphaned_runs_query(limit: int, clock_offset_ms: int = 0) -> Select:
     )
 
 
-def queued_attempts_query(
-    limit_per_task: int, tasks: Sequence[str], clock_offset_ms: int = 0
-) -> Select:
-    """Pristine latest Attempts of ``queued`` Runs of the named tasks, at most
-    ``limit_per_task + 1`` per task (the extra row tells ``has_more``), by (queued_at, run id)."""
-    a = run_attempts.c
-    r = runs.c
-    latest = (
-        select(run_attempts)
-        .where(a.run_id == r.id)
-        .order_by(a.number.desc())
-        .limit(1)
-        .lateral("latest")
-    )
-    lc = latest.c
-    task_list = bindparam("tasks", list(tasks), type_=postgresql.ARRAY(Text()))
-    ranked = (
-        select(
-            r.id.label("run_id"),
-            lc.id.label("attempt_id"),
-            r.task.label("task"),
-            lc.created_at.label("queued_at"),
-            func.row_number()
-            .over(partition_by=r.task, order_by=(lc.created_at, r.id.collate("C")))
-            .label("task_rank"),
-        )
-        .select_from(runs.join(latest, true()))
-        .where(
-            _is(r.status, RunStatus.QUEUED),
-            r.task == any_(task_list),
-            statements.pristine(lc, POSTGRES),
-        )
-        .subquery("ranked")
-    )
-    page = select(*ranked.c).where(ranked.c.task_rank <= limit_per_task + 1).subquery("page")
-    clock = select(store_now(clock_offset_ms).label("observed_at")).subquery("clock")
-    return (
-        select(clock.c.observed_at, *page.c)
-        .select_from(clock.outerjoin(page, true()))
-        .order_by(page.c.queued_at, page.c.run_id.collate("C"))
-    )
-
-
-def available_sessions_query(max_silence_ms: int, clock_offset_ms: int = 0) -> Select:
-    """Active sessions heard from less than ``max_silence_ms`` ago, with the number of leased
-    leases each holds, by id."""
-    silence = bindparam("max_silence", dt.timedelta(milliseconds=max_silence_ms), type_=Interval())
-    oldest_heartbeat = type_coerce(store_timestamp(clock_offset_ms) - silence, EpochMillis())
-    return statements.sessions_heard_since(oldest_heartbeat, POSTGRES)
-
-
 # --- maintenance -------------------------------------------------------------------------------
 
 
 def truncate_all() -> str:
-    """TRUNCATE every table of the schema (test hook)."""
+    """TRUNCATE every table of the schema, then put the dispatch gate's one row back, open (test
+    hook; two statements, run without parameters)."""
     names = ", ".join(table.name for table in ALL_TABLES)
-    return f"TRUNCATE TABLE {names} RESTART IDENTITY CASCADE"
+    return (
+        f"TRUNCATE TABLE {names} RESTART IDENTITY CASCADE;"
+        f" INSERT INTO {dispatch_gate.name} (id, open) VALUES (1, true)"
+    )

@@ -3,14 +3,20 @@
 One engine with a small connection pool per store. A :class:`PostgresUnitOfWork` is one
 connection in one READ COMMITTED transaction, rolled back unless committed. Locks follow ADR-0002:
 the Attempt's transaction-level advisory lock first, then row locks on the Run, the Attempt and the
-lease, in that order. Every write is a compare-and-set; a write that matches no row, and every
-unique, exclusion, check or foreign-key violation, is raised as
-:class:`~domain.errors.ConcurrencyConflict` (translated here, at the adapter edge). A multi-row
-write (``add``, ``apply``) runs under a savepoint, so a refused write leaves nothing behind and
-the transaction usable, as in the memory store.
+lease, in that order (a claim's pristine candidates take row locks only: see
+:func:`adapters.postgres.hot.claim_sql`). Every write is a compare-and-set; a write that matches
+no row, and every unique, exclusion, check or foreign-key violation, is raised as
+:class:`~domain.errors.ConcurrencyConflict` (translated here, at the adapter edge). An admission
+(``add``, ``add_many``) and an ``apply`` that inserts rows run under a savepoint, so a refused
+write leaves nothing behind and the transaction usable, as in the memory store; a refused
+``apply_many`` leaves the transaction to be rolled back, as its port says.
 
 Every candidate source is a single statement (see :mod:`adapters.postgres.queries`, re-exported
 here so that tests EXPLAIN exactly what the store runs) that observes the database clock.
+
+A claim's locks (:meth:`PostgresRunRepository.lock_for_claim`) are two statements in one round
+trip, and a commit that puts a Run into ``queued`` notifies
+:data:`~adapters.postgres.queries.DISPATCH_CHANNEL` (see :mod:`adapters.postgres.hot`).
 """
 
 from __future__ import annotations
@@ -32,17 +38,16 @@ from adapters.postgres import workflows as workflow_pages
 from adapters.postgres.engine import pooled_engine
 from adapters.postgres.queries import (
     ADVISORY_LOCK_NAMESPACE,
-    available_sessions_query,
+    DISPATCH_CHANNEL,
     due_retries_query,
     lost_runs_query,
     orphaned_runs_query,
-    queued_attempts_query,
     recovery_candidates_query,
 )
 from adapters.sql import rows, statements
-from adapters.sql.capacity import SqlCapacityLocks, in_flight_by_task
 from adapters.sql.repositories import (
     SqlEvidenceRepository,
+    SqlGateRepository,
     SqlRunRepository,
     SqlSessionRegistry,
     check_page_limit,
@@ -53,15 +58,16 @@ from adapters.sql.transaction import conflicts_translated as _conflicts_translat
 from adapters.sql.triggers import SqlTriggerRepository
 from adapters.sql.workflows import SqlWorkflowRepository
 from application.ports import (
+    ClaimLock,
+    DispatchGate,
+    DispatchGateRepository,
     DueTrigger,
     EvidenceRepository,
     Page,
-    QueuedAttempt,
     RecoveryCandidate,
     RunCandidate,
     RunRepository,
     SessionCapacity,
-    SessionCapacityLocks,
     Snapshot,
     TriggerRepository,
     WorkerSessionRegistry,
@@ -81,14 +87,13 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ADVISORY_LOCK_NAMESPACE",
+    "DISPATCH_CHANNEL",
     "PostgresStore",
     "PostgresUnitOfWork",
-    "available_sessions_query",
     "check_page_limit",
     "due_retries_query",
     "lost_runs_query",
     "orphaned_runs_query",
-    "queued_attempts_query",
     "recovery_candidates_query",
 ]
 
@@ -128,12 +133,13 @@ class PostgresUnitOfWork(ConnectionTransaction):
         self.evidence: EvidenceRepository = PostgresEvidenceRepository(self)
         self.triggers: TriggerRepository = SqlTriggerRepository(self)
         self.workflows: WorkflowRepository = SqlWorkflowRepository(self)
-        self.capacity: SessionCapacityLocks = SqlCapacityLocks(self)
+        self.gate: DispatchGateRepository = SqlGateRepository(self)
         # What the last lock statement read besides the locked rows (the holder's session, the
         # Attempt's stop reports, the clock), served to the next reads until anything is written.
         self._seen_sessions: dict[str, WorkerSession | None] = {}
         self._seen_reports: dict[str, tuple[StopReport, ...]] = {}
         self._seen_now_ms: int | None = None
+        self._seen_at_offset_ms = 0  # the clock offset that reading was taken at
         # Set when a write was refused after part of it may have been applied: the transaction
         # can then only be rolled back.
         self._broken: str | None = None
@@ -165,7 +171,7 @@ class PostgresUnitOfWork(ConnectionTransaction):
         return self._store.clock_offset_ms
 
     def now_ms(self) -> int:
-        if self._seen_now_ms is not None:
+        if self._seen_now_ms is not None and self._seen_at_offset_ms == self.clock_offset_ms:
             return self._seen_now_ms
         value = self.connection.execute(queries.now_statement(self.clock_offset_ms)).scalar_one()
         return int(value)
@@ -178,13 +184,32 @@ class PostgresUnitOfWork(ConnectionTransaction):
     def execute_sql(self, sql: str, params: dict[str, Any], label: str) -> list[dict[str, Any]]:
         """Plain SQL straight on the driver's connection (``%(name)s`` parameters), in this
         transaction; the rows as dictionaries. Used by the hot paths of :mod:`hot`."""
+        return self.execute_pipelined([(sql, params)], label)[-1]
+
+    def execute_pipelined(
+        self, statements: Sequence[tuple[str, dict[str, Any]]], label: str
+    ) -> list[list[dict[str, Any]]]:
+        """Several plain SQL statements sent together in one round trip (a pipeline), run by
+        the server one after the other, each with its own snapshot; the rows of each. A failing
+        statement fails the call and the server skips the ones after it."""
         driver = self.connection.connection.driver_connection
         if driver is None:
             raise RuntimeError("the unit of work has no open connection")
         try:
-            with driver.cursor(row_factory=dict_row) as cursor:
-                cursor.execute(sql, params)
-                return cursor.fetchall()
+            if len(statements) == 1:
+                sql, params = statements[0]
+                with driver.cursor(row_factory=dict_row) as cursor:
+                    cursor.execute(sql, params)
+                    return [cursor.fetchall()]
+            cursors = [driver.cursor(row_factory=dict_row) for _ in statements]
+            try:
+                with driver.pipeline():
+                    for cursor, (sql, params) in zip(cursors, statements, strict=True):
+                        cursor.execute(sql, params)
+                return [cursor.fetchall() for cursor in cursors]
+            finally:
+                for cursor in cursors:
+                    cursor.close()
         except psycopg.Error as error:
             # The same errors as through SQLAlchemy: wrapped in its exception classes, and a
             # lost connection is invalidated so that the pool does not hand it out again.
@@ -210,7 +235,13 @@ class PostgresUnitOfWork(ConnectionTransaction):
     ) -> None:
         self._seen_sessions = sessions
         self._seen_reports = reports
+        self.remember_clock(now_ms)
+
+    def remember_clock(self, now_ms: int) -> None:
+        """The store's clock as the last statement read it, served by :meth:`now_ms` until
+        anything is written (or the test clock moves)."""
         self._seen_now_ms = now_ms
+        self._seen_at_offset_ms = self.clock_offset_ms
 
     def forget(self) -> None:
         self._seen_sessions = {}
@@ -358,13 +389,12 @@ class PostgresRunRepository(SqlRunRepository[PostgresUnitOfWork]):
         uow.forget()
         batch = hot.apply_many_statement(writes)
         what = f"{len(writes)} changes"
-
-        def write() -> Any:
-            with _conflicts_translated(what):
-                return uow.execute_sql(hot.apply_many_sql(), batch.params, "apply changes")[0]
-
+        # No savepoint, although the statement inserts leases and Attempts that can meet a unique
+        # index: whatever refuses it, the transaction is then broken and only rolls back (the
+        # port's promise), so a savepoint would buy nothing for its two round trips.
         try:
-            result = uow.atomically(write) if batch.inserts_rows else write()
+            with _conflicts_translated(what):
+                result = uow.execute_sql(hot.apply_many_sql(), batch.params, "apply changes")[0]
         except ConcurrencyConflict:
             uow.break_transaction(f"{what} refused")
             raise
@@ -374,6 +404,73 @@ class PostgresRunRepository(SqlRunRepository[PostgresUnitOfWork]):
         if any(int(result[name]) != count for name, count in batch.expected.items()):
             uow.break_transaction(f"{what} changed while being written")
             raise ConcurrencyConflict(f"{what} changed while being written")
+
+    def add_many(self, changes: Sequence[Change]) -> None:
+        """Every newly admitted Run of the batch, with its Attempts, lease and event, in one
+        statement under a savepoint: all or none, and a refused batch leaves the transaction
+        usable. It notifies the dispatch channel when a Run is admitted ``queued``."""
+        if not changes:
+            return
+        uow = self._uow
+        uow.forget()
+        batch = hot.add_many_statement(changes)
+        what = f"{len(changes)} admitted runs"
+
+        def write() -> Any:
+            with _conflicts_translated(what):
+                return uow.execute_sql(hot.add_many_sql(), batch.params, "add runs")[0]
+
+        result = uow.atomically(write)
+        if any(int(result[name]) != count for name, count in batch.expected.items()):
+            uow.break_transaction(f"{what} were not all written")
+            raise ConcurrencyConflict(f"{what} were not all written")
+
+    def lock_for_claim(
+        self, session_id: str, tasks: Sequence[str], limit_per_task: int
+    ) -> ClaimLock:
+        """The session's row lock, then (in the same round trip, with a snapshot taken once
+        that lock is held) the count of its leases, the gate and the candidates, locked; see
+        :func:`hot.claim_sql`."""
+        uow = self._uow
+        uow.forget()
+        wanted = sorted(set(tasks))
+        params = hot.claim_params(session_id, wanted, limit_per_task, uow.clock_offset_ms)
+        _, found = uow.execute_pipelined(
+            [(hot.lock_session_sql(), params), (hot.claim_sql(), params)], "lock for claim"
+        )
+        head = found[0]
+        now_ms = int(head["observed_at"])
+        capacity = None
+        if head[f"{hot.SESSION_PREFIX}id"] is not None:
+            capacity = SessionCapacity(
+                session=rows.session_from_row(head, hot.SESSION_PREFIX),
+                in_flight=int(head["held"]),
+            )
+        gate_found = head[f"{hot.GATE_PREFIX}open"] is not None
+        gate = statements.gate_from_row(head if gate_found else None, hot.GATE_PREFIX)
+        candidates: list[Snapshot] = []
+        for row in found:
+            if row[f"{hot.RUN_PREFIX}id"] is None:
+                continue
+            attempt = rows.attempt_from_row(row, hot.ATTEMPT_PREFIX)
+            if not attempt.is_pristine:
+                continue  # no transition queues a Run so; see hot.claim_sql
+            lease = None
+            if row[f"{hot.LEASE_PREFIX}run_id"] is not None:
+                lease = rows.lease_from_row(row, hot.LEASE_PREFIX)
+            candidates.append(
+                Snapshot(run=rows.run_from_row(row, hot.RUN_PREFIX), attempt=attempt, lease=lease)
+            )
+        by_task = head["in_flight_by_task"] or {}
+        in_flight = {str(task): int(count) for task, count in by_task.items()}
+        uow.remember_clock(now_ms)
+        return ClaimLock(
+            capacity=capacity,
+            gate=gate,
+            candidates=tuple(candidates),
+            in_flight_by_task=in_flight,
+            observed_at_ms=now_ms,
+        )
 
     def renew_lease(self, before: DispatchLease, after: DispatchLease) -> None:
         if (after.run_id, after.generation) != (before.run_id, before.generation):
@@ -388,10 +485,18 @@ class PostgresSessionRegistry(SqlSessionRegistry[PostgresUnitOfWork]):
     queries = queries
 
     def get(self, session_id: str) -> WorkerSession | None:
-        seen, session = self._uow.seen_session(session_id)
+        """The session, with the store's clock in the same statement: the command that
+        authenticates by it reads the time next, and needs no statement for it."""
+        uow = self._uow
+        seen, session = uow.seen_session(session_id)
         if seen:
             return session
-        return super().get(session_id)
+        params = {"session_id": session_id, "clock_offset_ms": uow.clock_offset_ms}
+        (row,) = uow.execute_sql(hot.get_session_sql(), params, "get session")
+        uow.remember_clock(int(row["observed_at"]))
+        if row[f"{hot.SESSION_PREFIX}id"] is None:
+            return None
+        return rows.session_from_row(row, hot.SESSION_PREFIX)
 
 
 class PostgresEvidenceRepository(SqlEvidenceRepository[PostgresUnitOfWork]):
@@ -508,38 +613,11 @@ class PostgresStore:
         check_page_limit(limit)
         return self._run_page(orphaned_runs_query(limit, self._clock_offset_ms), limit)
 
-    def queued_attempts(self, limit_per_task: int, tasks: Sequence[str]) -> Page[QueuedAttempt]:
-        check_page_limit(limit_per_task, "limit_per_task")
-        statement = queued_attempts_query(limit_per_task, tasks, self._clock_offset_ms)
-        now, found = self._page_rows(statement)
-        items = tuple(
-            QueuedAttempt(
-                run_id=row["run_id"],
-                attempt_id=row["attempt_id"],
-                task=row["task"],
-                queued_at_ms=int(row["queued_at"]),
-            )
-            for row in found
-            if row["task_rank"] <= limit_per_task
-        )
-        has_more = any(row["task_rank"] > limit_per_task for row in found)
-        return Page(items=items, has_more=has_more, observed_at_ms=now)
-
-    def available_sessions(self, max_silence_ms: int) -> Sequence[SessionCapacity]:
-        statement = available_sessions_query(max_silence_ms, self._clock_offset_ms)
+    def dispatch_gate(self) -> DispatchGate:
         with self.engine.connect() as connection:
-            result = connection.execute(statement).mappings().all()
+            row = connection.execute(statements.get_gate()).mappings().first()
             connection.rollback()
-        return tuple(
-            SessionCapacity(session=rows.session_from_row(row), in_flight=int(row["in_flight"]))
-            for row in result
-        )
-
-    def in_flight_by_task(self, tasks: Sequence[str]) -> dict[str, int]:
-        with self.engine.connect() as connection:
-            counts = in_flight_by_task(connection, tasks)
-            connection.rollback()
-        return counts
+        return statements.gate_from_row(row)
 
     def due_triggers(self, limit: int) -> Page[DueTrigger]:
         return trigger_pages.due_triggers(self, limit)

@@ -4,8 +4,8 @@ admission, the session registry and the stop-report evidence, on the statements 
 
 A store's repositories derive from these, name their ``queries`` module (for the statements the
 store spells its own way) and add or override what is their own: the PostgreSQL store its locks,
-its one-statement writes and what its last lock statement read; the SQLite store its wake-ups;
-the worker ingress what its role may not do.
+its one-statement writes, what its last lock statement read and its dispatch wake-ups; the SQLite
+store its wake-ups; the worker ingress what its role may not do.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from sqlalchemy import Select
 
 from adapters.sql import rows, statements
 from adapters.sql.transaction import SqlReader, SqlTransaction
-from application.ports import HARD_PAGE_CAP, StoredEvent
+from application.ports import HARD_PAGE_CAP, DispatchGate, StoredEvent
 from domain.model import Attempt, DispatchLease, Run, RunStatus, StopReport, WorkerSession
 from domain.transitions import Change
 
@@ -38,7 +38,7 @@ class DialectQueries(Protocol):
 
     def open_sessions_of(self, worker_id: str) -> Select: ...
 
-    def offers_of(self, session_id: str) -> Select: ...
+    def held_by(self, session_id: str) -> Select: ...
 
 
 class SqlRunReads(Generic[R]):
@@ -79,21 +79,35 @@ class SqlRunReads(Generic[R]):
 
 
 class SqlRunRepository(SqlRunReads[W]):
-    """The reads, and admission: a Run with its Attempts, lease and event, all or nothing."""
+    """The reads, and admission: Runs with their Attempts, leases and events, all or nothing."""
 
     def add(self, change: Change) -> None:
+        self.add_many([change])
+
+    def add_many(self, changes: Sequence[Change]) -> None:
+        """Insert newly admitted Runs, each with its Attempts, lease and event, in order: all of
+        them or none (under a savepoint: a refused batch leaves nothing of itself behind and the
+        transaction usable). A duplicate or otherwise refused row is a
+        ``ConcurrencyConflict``."""
+        if not changes:
+            return
+
         def insert_all() -> None:
-            self._uow.write(statements.insert_run(change.run), f"run {change.run.id}")
-            for attempt in change.attempts:
-                self._uow.write(statements.insert_attempt(attempt), f"attempt {attempt.id}")
-            if change.lease is not None:
-                lease = change.lease
-                self._uow.write(
-                    statements.insert_lease(lease), f"lease {lease.run_id}/{lease.generation}"
-                )
-            self._uow.write(statements.insert_event(change.event), f"event of run {change.run.id}")
+            for change in changes:
+                self._insert(change)
 
         self._uow.atomically(insert_all)
+
+    def _insert(self, change: Change) -> None:
+        self._uow.write(statements.insert_run(change.run), f"run {change.run.id}")
+        for attempt in change.attempts:
+            self._uow.write(statements.insert_attempt(attempt), f"attempt {attempt.id}")
+        if change.lease is not None:
+            lease = change.lease
+            self._uow.write(
+                statements.insert_lease(lease), f"lease {lease.run_id}/{lease.generation}"
+            )
+        self._uow.write(statements.insert_event(change.event), f"event of run {change.run.id}")
 
 
 class SqlSessionReads(Generic[R]):
@@ -112,16 +126,9 @@ class SqlSessionReads(Generic[R]):
         result = self._uow.execute(self.queries.open_sessions_of(worker_id)).mappings()
         return tuple(rows.session_from_row(row) for row in result)
 
-    def offers_of(self, session_id: str) -> Sequence[tuple[Run, Attempt, DispatchLease]]:
-        result = self._uow.execute(self.queries.offers_of(session_id)).mappings()
-        return tuple(
-            (
-                rows.run_from_row(row, statements.RUN_COLUMNS),
-                rows.attempt_from_row(row, statements.ATTEMPT_COLUMNS),
-                rows.lease_from_row(row, statements.LEASE_COLUMNS),
-            )
-            for row in result
-        )
+    def held_by(self, session_id: str) -> Sequence[str]:
+        result = self._uow.execute(self.queries.held_by(session_id)).scalars()
+        return tuple(str(attempt_id) for attempt_id in result)
 
 
 class SqlSessionRegistry(SqlSessionReads[W]):
@@ -150,3 +157,21 @@ class SqlEvidenceRepository(Generic[W]):
     def reports_for(self, attempt_id: str) -> Sequence[StopReport]:
         result = self._uow.execute(statements.reports_for(attempt_id)).mappings()
         return tuple(rows.report_from_row(row) for row in result)
+
+
+class SqlGateRepository(Generic[W]):
+    """:class:`application.ports.DispatchGateRepository`: the one row, replaced. Not a
+    compare-and-set: the gate's state is whatever its latest writer decided (the cluster
+    coordinator closes it, step 5 opens it), and a missing row is written anew."""
+
+    def __init__(self, uow: W) -> None:
+        self._uow = uow
+
+    def set(self, gate: DispatchGate) -> None:
+        if self._uow.write(statements.update_gate(gate), "the dispatch gate") == 0:
+            statement = statements.insert_gate(gate)
+            self._uow.atomically(lambda: self._uow.write(statement, "the dispatch gate"))
+
+    def get(self) -> DispatchGate:
+        row = self._uow.execute(statements.get_gate()).mappings().first()
+        return statements.gate_from_row(row)

@@ -16,8 +16,9 @@ that column, and keeping it out of every index lets PostgreSQL renew with HOT up
 from __future__ import annotations
 
 import datetime as dt
+import enum
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy import (
     JSON,
@@ -34,10 +35,12 @@ from sqlalchemy import (
     Integer,
     MetaData,
     PrimaryKeyConstraint,
+    SmallInteger,
     Table,
     Text,
     UniqueConstraint,
     text,
+    true,
 )
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.types import TypeDecorator, TypeEngine
@@ -53,6 +56,11 @@ from domain.model import (
     SessionStatus,
 )
 from domain.policy import MAX_ATTEMPTS_LIMIT, Safety
+from domain.states import (
+    CLAIMABLE_RUN_STATUSES,
+    NON_TERMINAL_ATTEMPT_STATUSES,
+    OPEN_SESSION_STATUSES,
+)
 from domain.triggers import MAX_CATCH_UP_LIMIT, MIN_INTERVAL_MS, CatchUp, TriggerStatus
 from domain.workflows import StepStatus
 
@@ -142,12 +150,23 @@ def _enum_values(enum_type: Any) -> list[str]:
     return [member.value for member in enum_type]
 
 
-NON_TERMINAL_ATTEMPT_STATUSES = (
-    AttemptStatus.CLAIMED.value,
-    AttemptStatus.STARTING.value,
-    AttemptStatus.RUNNING.value,
-)
-OPEN_SESSION_STATUSES = (SessionStatus.ACTIVE.value, SessionStatus.DRAINING.value)
+E = TypeVar("E", bound=enum.Enum)
+
+
+def in_declared_order(statuses: Iterable[E]) -> list[E]:
+    """The members of a status set of :mod:`domain.states` in the order their enum declares
+    them: one SQL spelling of a set, whatever order it iterates in (the order the migrations
+    spell them in)."""
+    members = list(statuses)
+    if not members:
+        return []
+    declared = list(type(members[0]).__members__.values())
+    return sorted(members, key=declared.index)
+
+
+def _names(statuses: Iterable[enum.Enum]) -> list[str]:
+    return [str(member.value) for member in in_declared_order(statuses)]
+
 
 _POLICY_COLUMNS_REQUIRED = (
     "retry_on_lost",
@@ -232,15 +251,23 @@ Index(
     postgresql_where=text("status = 'created'"),
     sqlite_where=text("status = 'created'"),
 )
+# A claim's candidates are the pristine Attempts of queued Runs of a task, oldest Attempt first.
+# An Attempt never changed since it was created was created with its Run's move into ``queued``
+# (admission, a first or a next Attempt), so its age is that Run's ``updated_at``, which nothing
+# else changes while the Run is queued: this index lists them oldest first, and a claim reads the
+# few first of each of its tasks, however deep the queue. An Attempt handed back keeps its age
+# but its Run was updated since; ``ix_run_attempts_handed_back`` lists those.
+_CLAIMABLE_RUN = _one_of("status", _names(CLAIMABLE_RUN_STATUSES))
 Index(
-    "ix_runs_queued",
+    "ix_runs_claimable",
     runs.c.task,
+    runs.c.updated_at,
     runs.c.id,
-    postgresql_where=text("status = 'queued'"),
-    sqlite_where=text("status = 'queued'"),
+    postgresql_where=text(_CLAIMABLE_RUN),
+    sqlite_where=text(_CLAIMABLE_RUN),
 )
 
-_ACTIVE_ATTEMPT = _one_of("status", NON_TERMINAL_ATTEMPT_STATUSES)
+_ACTIVE_ATTEMPT = _one_of("status", _names(NON_TERMINAL_ATTEMPT_STATUSES))
 
 run_attempts = Table(
     "run_attempts",
@@ -279,6 +306,18 @@ Index(
     unique=True,
     postgresql_where=text(_ACTIVE_ATTEMPT),
     sqlite_where=text(_ACTIVE_ATTEMPT),
+)
+# Attempts handed back unstarted and not claimed again (``claimed`` with no session, changed
+# since they were created): few at any time, by age. See ``ix_runs_claimable``.
+HANDED_BACK_ATTEMPT = (
+    f"status = '{AttemptStatus.CLAIMED.value}' AND session_id IS NULL AND updated_at > created_at"
+)
+Index(
+    "ix_run_attempts_handed_back",
+    run_attempts.c.created_at,
+    run_attempts.c.run_id,
+    postgresql_where=text(HANDED_BACK_ATTEMPT),
+    sqlite_where=text(HANDED_BACK_ATTEMPT),
 )
 
 run_dispatch_leases = Table(
@@ -356,7 +395,7 @@ worker_sessions = Table(
     CheckConstraint("capacity >= 1", name="capacity"),
 )
 
-_OPEN_SESSION = _one_of("status", OPEN_SESSION_STATUSES)
+_OPEN_SESSION = _one_of("status", _names(OPEN_SESSION_STATUSES))
 
 Index(
     "uq_worker_sessions_one_open_per_worker",
@@ -388,6 +427,25 @@ Index(
     "ix_attempt_stop_reports_attempt_id",
     attempt_stop_reports.c.attempt_id,
     attempt_stop_reports.c.reported_at,
+)
+
+# --- the dispatch gate --------------------------------------------------------------------------
+#
+# One row shared by every replica of the store (ADR 0007): closed while the most recent runtime
+# recovery or lost-retry step failed, and claims grant nothing while it is closed. The schema
+# creates the row; nothing deletes it.
+
+DISPATCH_GATE_ID = 1
+
+dispatch_gate = Table(
+    "dispatch_gate",
+    metadata,
+    Column("id", SmallInteger(), nullable=False),
+    Column("open", Boolean(), nullable=False, server_default=true()),
+    Column("reason", Text(), nullable=True),
+    Column("changed_at", EpochMillis(), nullable=True),
+    PrimaryKeyConstraint("id", name="pk_dispatch_gate"),
+    CheckConstraint(f"id = {DISPATCH_GATE_ID}", name="one_row"),
 )
 
 # --- triggers and workflows ----------------------------------------------------------------------
@@ -505,4 +563,5 @@ ALL_TABLES = (
     triggers,
     trigger_firings,
     workflow_steps,
+    dispatch_gate,
 )

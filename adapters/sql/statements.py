@@ -37,13 +37,17 @@ from sqlalchemy.sql.base import ReadOnlyColumnCollection
 
 from adapters.sql import rows
 from adapters.sql.schema import (
+    DISPATCH_GATE_ID,
     attempt_stop_reports,
+    dispatch_gate,
+    in_declared_order,
     run_attempts,
     run_dispatch_leases,
     run_events,
     runs,
     worker_sessions,
 )
+from application.ports import DispatchGate
 from domain.events import RunEvent
 from domain.model import (
     Attempt,
@@ -53,19 +57,21 @@ from domain.model import (
     Run,
     RunOwner,
     RunStatus,
-    SessionStatus,
     StopReport,
     WorkerSession,
+)
+from domain.states import (
+    CLAIMABLE_RUN_STATUSES,
+    GONE_SESSION_STATUSES,
+    NON_TERMINAL_ATTEMPT_STATUSES,
+    OPEN_SESSION_STATUSES,
+    RECOVERABLE_RUN_STATUSES,
 )
 
 RUN_COLUMNS = "r_"
 ATTEMPT_COLUMNS = "a_"
 LEASE_COLUMNS = "l_"
 
-ACTIVE_ATTEMPT_STATUSES = (AttemptStatus.CLAIMED, AttemptStatus.STARTING, AttemptStatus.RUNNING)
-RECOVERABLE_RUN_STATUSES = (RunStatus.DISPATCHING, RunStatus.RUNNING, RunStatus.LOST)
-OPEN_SESSION_STATUSES = (SessionStatus.ACTIVE, SessionStatus.DRAINING)
-GONE_SESSION_STATUSES = (SessionStatus.CLOSED, SessionStatus.REPLACED)
 
 
 def const(value: str) -> ColumnElement[str]:
@@ -95,7 +101,10 @@ class Spelling:
     def one_of(
         self, column: ColumnElement[str], statuses: Iterable[enum.Enum]
     ) -> ColumnElement[bool]:
-        return column.in_([self.constant(status) for status in statuses])
+        """``column IN (...)``, the statuses in the order their enum declares them (one SQL
+        text for a set, whatever order it iterates in)."""
+        ordered = in_declared_order(statuses)
+        return column.in_([self.constant(status) for status in ordered])
 
     def by_id(self, column: ColumnElement[str]) -> ColumnElement[str]:
         """``column`` as text ids are ordered."""
@@ -313,24 +322,14 @@ def open_sessions_of(worker_id: str, spelling: Spelling) -> Select:
     )
 
 
-def offers_of(session_id: str, spelling: Spelling) -> Select:
-    """The session's leased offers not yet accepted: Run, Attempt and lease side by side."""
-    a = run_attempts.c
+def held_by(session_id: str, spelling: Spelling) -> Select:
+    """The Attempt ids of the session's ``leased`` leases, by id
+    (``ix_run_dispatch_leases_held``)."""
     l = run_dispatch_leases.c  # noqa: E741
     return (
-        select(*run_columns(), *attempt_columns(), *lease_columns())
-        .select_from(
-            run_dispatch_leases.join(run_attempts, a.id == l.attempt_id).join(
-                runs, runs.c.id == a.run_id
-            )
-        )
-        .where(
-            spelling.is_(l.status, LeaseStatus.LEASED),
-            l.holder_session_id == session_id,
-            l.token_hash.is_(None),
-            spelling.is_(a.status, AttemptStatus.CLAIMED),
-        )
-        .order_by(l.granted_at, spelling.by_id(a.id))
+        select(l.attempt_id)
+        .where(l.holder_session_id == session_id, spelling.is_(l.status, LeaseStatus.LEASED))
+        .order_by(spelling.by_id(l.attempt_id))
     )
 
 
@@ -371,7 +370,7 @@ def recovery_page(limit: int, now: ColumnElement[int] | int, spelling: Spelling)
             run_attempts.join(runs, r.id == a.run_id).outerjoin(run_dispatch_leases, own_lease)
         )
         .where(
-            spelling.one_of(a.status, ACTIVE_ATTEMPT_STATUSES),
+            spelling.one_of(a.status, NON_TERMINAL_ATTEMPT_STATUSES),
             not_(pristine(a, spelling)),
             spelling.is_(r.owner, RunOwner.RUNTIME),
             spelling.one_of(r.status, RECOVERABLE_RUN_STATUSES),
@@ -386,19 +385,98 @@ def recovery_page(limit: int, now: ColumnElement[int] | int, spelling: Spelling)
     )
 
 
-def sessions_heard_since(oldest_heartbeat: ColumnElement[int] | int, spelling: Spelling) -> Select:
-    """Active sessions heard from after ``oldest_heartbeat``, with the number of leased leases
-    each holds, by id."""
-    s = worker_sessions.c
+# --- the claim ---------------------------------------------------------------------------------
+
+
+def leases_held(session_id: str, spelling: Spelling) -> Select:
+    """How many ``leased`` leases the session holds (``ix_run_dispatch_leases_held``)."""
     l = run_dispatch_leases.c  # noqa: E741
-    in_flight = (
-        select(func.count())
-        .where(l.holder_session_id == s.id, spelling.is_(l.status, LeaseStatus.LEASED))
-        .correlate(worker_sessions)
-        .scalar_subquery()
+    return select(func.count()).where(
+        l.holder_session_id == session_id, spelling.is_(l.status, LeaseStatus.LEASED)
     )
+
+
+def claimable(task: str, limit: int, spelling: Spelling, *, handed_back: bool) -> Select:
+    """Up to ``limit`` claimable Runs of ``task`` with their pristine latest Attempt (the one
+    numbered ``attempt_count``: every Attempt is created with the next number and counted in
+    the same change), Run and Attempt side by side, oldest Attempt first (its ``created_at``,
+    then the Run's id), in one of two parts that together are all of them:
+
+    - ``handed_back=False``: Attempts never changed since they were created, read from
+      ``ix_runs_claimable`` (such an Attempt was created with its Run's move into ``queued``, so
+      the Run's ``updated_at`` is the Attempt's age);
+    - ``handed_back=True``: Attempts handed back since, read from
+      ``ix_run_attempts_handed_back``.
+
+    The oldest ``limit`` of a task are the oldest ``limit`` of both parts merged."""
+    r = runs.c
+    a = run_attempts.c
+    statement = (
+        select(*run_columns(), *attempt_columns())
+        .select_from(
+            runs.join(run_attempts, and_(a.run_id == r.id, a.number == r.attempt_count))
+        )
+        .where(
+            r.task == task,
+            spelling.one_of(r.status, CLAIMABLE_RUN_STATUSES),
+            pristine(a, spelling),
+        )
+    )
+    if handed_back:
+        return (
+            statement.where(a.updated_at > a.created_at)
+            .order_by(a.created_at, spelling.by_id(a.run_id))
+            .limit(limit)
+        )
     return (
-        select(worker_sessions, in_flight.label("in_flight"))
-        .where(spelling.is_(s.status, SessionStatus.ACTIVE), s.last_heartbeat_at > oldest_heartbeat)
-        .order_by(spelling.by_id(s.id))
+        statement.where(a.updated_at <= a.created_at)
+        .order_by(r.updated_at, spelling.by_id(r.id))
+        .limit(limit)
+    )
+
+
+def in_flight_by_task(tasks: Iterable[str], spelling: Spelling) -> Select:
+    """``leased`` leases per task of their Run: what a claim balances across tasks."""
+    l = run_dispatch_leases.c  # noqa: E741
+    return (
+        select(runs.c.task, func.count().label("in_flight"))
+        .select_from(run_dispatch_leases.join(runs, runs.c.id == l.run_id))
+        .where(spelling.is_(l.status, LeaseStatus.LEASED), runs.c.task.in_(list(tasks)))
+        .group_by(runs.c.task)
+    )
+
+
+# --- the dispatch gate -------------------------------------------------------------------------
+
+
+def get_gate() -> Select:
+    return select(dispatch_gate).where(dispatch_gate.c.id == DISPATCH_GATE_ID)
+
+
+def _gate_values(gate: DispatchGate) -> rows.Values:
+    return {"open": gate.open, "reason": gate.reason, "changed_at": gate.changed_at_ms}
+
+
+def update_gate(gate: DispatchGate) -> Update:
+    return (
+        update(dispatch_gate)
+        .where(dispatch_gate.c.id == DISPATCH_GATE_ID)
+        .values(_gate_values(gate))
+    )
+
+
+def insert_gate(gate: DispatchGate) -> Insert:
+    return insert(dispatch_gate).values(id=DISPATCH_GATE_ID, **_gate_values(gate))
+
+
+def gate_from_row(row: rows.Row | None, prefix: str = "") -> DispatchGate:
+    """The gate as stored. A missing row (the schema creates it; nothing deletes it) reads as
+    closed: nothing is granted on a gate whose state is unknown."""
+    if row is None:
+        return DispatchGate(open=False, reason="the dispatch gate row is missing")
+    changed_at = row[f"{prefix}changed_at"]
+    return DispatchGate(
+        open=bool(row[f"{prefix}open"]),
+        reason=row[f"{prefix}reason"],
+        changed_at_ms=None if changed_at is None else int(changed_at),
     )

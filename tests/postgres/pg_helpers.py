@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from adapters.postgres.store import PostgresStore
-from domain.fence import LeaseFence, hash_token
+from domain.fence import hash_token
 from domain.model import RunOwner, WorkerSession
 from domain.policy import RetryPolicy
-from domain.sessions import register_session
-from domain.transitions import accept, activate, admit, grant_lease
+from domain.sessions import close, register_session
+from domain.transitions import admit, claim
 
 TOKEN = "token-of-the-worker"
+SECRET = "secret"
 
 
 def admit_run(
@@ -36,15 +37,20 @@ def admit_run(
 
 
 def open_session(
-    store: PostgresStore, session_id: str, worker_id: str, tasks: tuple[str, ...] = ("mail",)
+    store: PostgresStore,
+    session_id: str,
+    worker_id: str,
+    tasks: tuple[str, ...] = ("mail",),
+    *,
+    capacity: int = 4,
 ) -> WorkerSession:
     with store.unit_of_work() as uow:
         session, replaced = register_session(
             session_id=session_id,
             worker_id=worker_id,
-            capacity=4,
+            capacity=capacity,
             tasks=tasks,
-            secret_hash=hash_token("secret"),
+            secret_hash=hash_token(SECRET),
             existing=uow.sessions.open_sessions_of(worker_id),
             now_ms=uow.now_ms(),
         )
@@ -57,60 +63,28 @@ def open_session(
     return session
 
 
-def offer(store: PostgresStore, attempt_id: str, session: WorkerSession, ttl_ms: int) -> None:
+def close_session(store: PostgresStore, session_id: str) -> None:
+    """The worker says goodbye: its unfinished Attempts have not-running evidence."""
+    with store.unit_of_work() as uow:
+        session = uow.sessions.get(session_id)
+        assert session is not None
+        uow.sessions.update(session, close(session, uow.now_ms()))
+        uow.commit()
+
+
+def claim_attempt(
+    store: PostgresStore, attempt_id: str, session: WorkerSession, ttl_ms: int
+) -> None:
+    """``session`` claims and starts the pristine Attempt under the token :data:`TOKEN`."""
     with store.unit_of_work() as uow:
         snapshot = uow.runs.lock_attempt(attempt_id)
         assert snapshot is not None and snapshot.attempt is not None
-        change = grant_lease(
+        change = claim(
             run=snapshot.run,
             attempt=snapshot.attempt,
             previous_lease=snapshot.lease,
             session=session,
-            ttl_ms=ttl_ms,
-            now_ms=uow.now_ms(),
-        )
-        uow.runs.apply(snapshot, change)
-        uow.commit()
-
-
-def accept_offer(
-    store: PostgresStore, attempt_id: str, session: WorkerSession, ttl_ms: int
-) -> None:
-    with store.unit_of_work() as uow:
-        snapshot = uow.runs.lock_attempt(attempt_id)
-        assert snapshot is not None and snapshot.attempt is not None
-        assert snapshot.lease is not None
-        change = accept(
-            run=snapshot.run,
-            attempt=snapshot.attempt,
-            lease=snapshot.lease,
-            session_id=session.id,
-            generation=snapshot.lease.generation,
-            version=snapshot.lease.version,
             token_hash=hash_token(TOKEN),
-            ttl_ms=ttl_ms,
-            now_ms=uow.now_ms(),
-        )
-        uow.runs.apply(snapshot, change)
-        uow.commit()
-
-
-def start(store: PostgresStore, attempt_id: str, ttl_ms: int) -> None:
-    with store.unit_of_work() as uow:
-        snapshot = uow.runs.lock_attempt(attempt_id)
-        assert snapshot is not None and snapshot.attempt is not None
-        assert snapshot.lease is not None
-        fence = LeaseFence(
-            attempt_id=attempt_id,
-            generation=snapshot.lease.generation,
-            version=snapshot.lease.version,
-            token=TOKEN,
-        )
-        change = activate(
-            run=snapshot.run,
-            attempt=snapshot.attempt,
-            lease=snapshot.lease,
-            fence=fence,
             ttl_ms=ttl_ms,
             now_ms=uow.now_ms(),
         )
@@ -125,14 +99,11 @@ def dispatched(
     session: WorkerSession,
     *,
     ttl_ms: int = 30_000,
-    started: bool = False,
+    task: str = "mail",
 ) -> None:
-    """A queued Run offered to ``session``, accepted and, if ``started``, activated."""
-    admit_run(store, run_id, attempt_id)
-    offer(store, attempt_id, session, ttl_ms)
-    accept_offer(store, attempt_id, session, ttl_ms)
-    if started:
-        start(store, attempt_id, ttl_ms)
+    """A Run admitted and claimed by ``session``: ``running``, its Attempt started."""
+    admit_run(store, run_id, attempt_id, task=task)
+    claim_attempt(store, attempt_id, session, ttl_ms)
 
 
 def recover(store: PostgresStore, attempt_id: str) -> bool:

@@ -13,8 +13,8 @@ from sqlalchemy.engine import make_url
 
 from adapters.cli.main import main
 from adapters.postgres.store import PostgresStore
+from application.worker_commands import Grant, SessionGrant
 from bootstrap import cluster
-from domain.fence import LeaseFence
 from domain.policy import RetryPolicy, Safety
 from tests.postgres_server import PostgresServer, create_database, drop_database, random_name
 
@@ -25,25 +25,18 @@ def _psycopg_url(url: str) -> str:
     return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
 
 
-def _start_all(container: cluster.ClusterContainer, worker_id: str, tasks: list[str], n: int):  # type: ignore[no-untyped-def]
+def _start_all(
+    container: cluster.ClusterContainer, worker_id: str, tasks: list[str], n: int
+) -> tuple[SessionGrant, tuple[Grant, ...]]:
+    """A worker of capacity ``n`` claims (and so starts) up to ``n`` queued Attempts."""
     commands = container.core.worker_commands()
-    grant = commands.register(worker_id, capacity=n, tasks=tasks)
-    container.core.task_attempt_admission().run_once()
-    offers = commands.heartbeat(grant.session_id, grant.secret)
-    for offer in offers:
-        token = f"{offer.attempt_id}-token-0123456789"
-        commands.accept(
-            grant.session_id, grant.secret, offer.attempt_id, offer.generation, offer.version, token
-        )
-        fence = LeaseFence(
-            attempt_id=offer.attempt_id, generation=offer.generation, version=1, token=token
-        )
-        commands.activate(grant.session_id, grant.secret, fence)
-    return grant, offers
+    session = commands.register(worker_id, capacity=n, tasks=tasks)
+    answer = commands.claim(session.session_id, session.secret, limit=n)
+    return session, answer.grants
 
 
 def test_unknown_candidates_do_not_starve_a_resolvable_one(store: PostgresStore) -> None:
-    container = cluster.build(store=store, lease_ttl_s=TTL_S, dispatch_page_size=64)
+    container = cluster.build(store=store, lease_ttl_s=TTL_S)
     admission = container.core.admission()
     admission.submit_many([admission_request("slow") for _ in range(64)])
     (resolvable_run,) = admission.submit_many([admission_request("other")])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import psycopg
 import pytest
@@ -27,10 +28,18 @@ from domain.model import (
     StopReport,
 )
 from domain.policy import RetryPolicy, Safety
-from domain.recovery import resolve_recovery
+from domain.recovery import find_not_running_evidence, resolve_recovery
 from domain.sessions import close
 from domain.transitions import Change, admit, renew
-from tests.postgres.pg_helpers import admit_run, dispatched, open_session, recover, settle
+from tests.postgres.pg_helpers import (
+    admit_run,
+    claim_attempt,
+    close_session,
+    dispatched,
+    open_session,
+    recover,
+    settle,
+)
 
 WAIT_S = 10.0
 
@@ -102,9 +111,12 @@ class Contender(threading.Thread):
             self.ready.set()
 
 
-def _expired_claimed_attempt(store: PostgresStore) -> None:
+def _expired_attempt_of_a_closed_session(store: PostgresStore) -> None:
+    """Attempt a1 of Run r1, started, its lease expired and its session closed: recovery loses
+    it on the evidence of the closed session."""
     session = open_session(store, "s1", "w1")
     dispatched(store, "r1", "a1", session, ttl_ms=1_000)
+    close_session(store, "s1")
     store.testing_advance_clock(5_000)
 
 
@@ -114,7 +126,7 @@ def _expired_claimed_attempt(store: PostgresStore) -> None:
 def test_lock_attempt_waits_on_the_advisory_lock_before_touching_any_row(
     store: PostgresStore, observer: psycopg.Connection[tuple[object, ...]]
 ) -> None:
-    _expired_claimed_attempt(store)
+    _expired_attempt_of_a_closed_session(store)
     namespace, key = _advisory_key(observer, "a1")
     with store.unit_of_work() as holder:
         assert holder.runs.lock_attempt("a1") is not None
@@ -147,7 +159,7 @@ def test_lock_attempt_waits_on_the_advisory_lock_before_touching_any_row(
 def test_lock_attempt_holds_the_advisory_lock_while_it_waits_for_the_row_locks(
     store: PostgresStore, observer: psycopg.Connection[tuple[object, ...]]
 ) -> None:
-    _expired_claimed_attempt(store)
+    _expired_attempt_of_a_closed_session(store)
     namespace, key = _advisory_key(observer, "a1")
     observer.execute("BEGIN")
     try:
@@ -173,7 +185,7 @@ def test_lock_attempt_holds_the_advisory_lock_while_it_waits_for_the_row_locks(
 def test_a_lock_timeout_on_the_advisory_lock_changes_nothing(
     store: PostgresStore, pg_database_url: str
 ) -> None:
-    _expired_claimed_attempt(store)
+    _expired_attempt_of_a_closed_session(store)
     impatient = PostgresStore.from_url(
         pg_database_url + "?options=-c%20lock_timeout%3D100", pool_size=1
     )
@@ -186,7 +198,7 @@ def test_a_lock_timeout_on_the_advisory_lock_changes_nothing(
         impatient.close()
     with store.unit_of_work() as uow:
         attempt = uow.runs.get_attempt("a1")
-        assert attempt is not None and attempt.status is AttemptStatus.CLAIMED
+        assert attempt is not None and attempt.status is AttemptStatus.RUNNING
 
 
 def test_server_options_of_the_url_and_generic_plans_both_apply(pg_database_url: str) -> None:
@@ -227,7 +239,7 @@ def test_lock_run_locks_through_the_latest_attempt(store: PostgresStore) -> None
 def test_a_failure_after_the_lease_update_leaves_nothing_committed(
     store: PostgresStore, observer: psycopg.Connection[tuple[object, ...]]
 ) -> None:
-    _expired_claimed_attempt(store)
+    _expired_attempt_of_a_closed_session(store)
     with store.unit_of_work() as uow:
         before = uow.runs.lock_attempt("a1")
         events_before = uow.runs.events_of("r1")
@@ -243,16 +255,10 @@ def test_a_failure_after_the_lease_update_leaves_nothing_committed(
     try:
         with pytest.raises(DBAPIError, match="injected failure"), store.unit_of_work() as uow:
             snapshot = uow.runs.lock_attempt("a1")
-            assert snapshot is not None and snapshot.attempt is not None
-            resolution = resolve_recovery(
-                run=snapshot.run,
-                attempt=snapshot.attempt,
-                lease=snapshot.lease,
-                evidence=None,
-                now_ms=uow.now_ms(),
-            )
-            assert resolution.change is not None and resolution.change.lease is not None
-            uow.runs.apply(snapshot, resolution.change)
+            assert snapshot is not None
+            change = _lost_change(uow, snapshot)
+            assert change.lease is not None
+            uow.runs.apply(snapshot, change)
             uow.commit()
     finally:
         observer.execute("DROP TRIGGER ql3_test_fail ON run_events")
@@ -294,14 +300,18 @@ def _state(store: PostgresStore, run_id: str) -> tuple[object, ...]:
         )
 
 
-def _lost_change(snapshot: Snapshot, now_ms: int) -> Change:
-    assert snapshot.attempt is not None
+def _lost_change(uow: Any, snapshot: Snapshot) -> Change:
+    """What recovery decides for ``snapshot`` on the evidence its closed session gives."""
+    attempt = snapshot.attempt
+    assert attempt is not None and attempt.session_id is not None
+    session = uow.sessions.get(attempt.session_id)
+    evidence = find_not_running_evidence(attempt, session, uow.evidence.reports_for(attempt.id))
     resolution = resolve_recovery(
         run=snapshot.run,
-        attempt=snapshot.attempt,
+        attempt=attempt,
         lease=snapshot.lease,
-        evidence=None,
-        now_ms=now_ms,
+        evidence=evidence,
+        now_ms=uow.now_ms(),
     )
     assert resolution.change is not None
     return resolution.change
@@ -309,7 +319,7 @@ def _lost_change(snapshot: Snapshot, now_ms: int) -> Change:
 
 @pytest.mark.parametrize("stale", ["run", "attempt", "lease"])
 def test_a_stale_before_matches_no_row_and_writes_nothing(store: PostgresStore, stale: str) -> None:
-    _expired_claimed_attempt(store)
+    _expired_attempt_of_a_closed_session(store)
     snapshot = _snapshot(store, "a1")
     assert snapshot.attempt is not None and snapshot.lease is not None
     if stale == "run":
@@ -332,7 +342,7 @@ def test_a_stale_before_matches_no_row_and_writes_nothing(store: PostgresStore, 
         )
     state = _state(store, "r1")
     with store.unit_of_work() as uow:
-        change = _lost_change(snapshot, uow.now_ms())
+        change = _lost_change(uow, snapshot)
         with pytest.raises(ConcurrencyConflict):
             uow.runs.apply(before, change)
         # The refused write left the transaction usable and wrote nothing of itself.
@@ -342,14 +352,14 @@ def test_a_stale_before_matches_no_row_and_writes_nothing(store: PostgresStore, 
 
 
 def test_a_second_writer_with_the_same_before_loses(store: PostgresStore) -> None:
-    _expired_claimed_attempt(store)
+    _expired_attempt_of_a_closed_session(store)
     snapshot = _snapshot(store, "a1")
     with store.unit_of_work() as uow:
-        uow.runs.apply(snapshot, _lost_change(snapshot, uow.now_ms()))
+        uow.runs.apply(snapshot, _lost_change(uow, snapshot))
         uow.commit()
     state = _state(store, "r1")
     with store.unit_of_work() as uow, pytest.raises(ConcurrencyConflict):
-        uow.runs.apply(snapshot, _lost_change(snapshot, uow.now_ms()))
+        uow.runs.apply(snapshot, _lost_change(uow, snapshot))
     assert _state(store, "r1") == state
 
 
@@ -359,10 +369,8 @@ def test_lost_retry_goes_through_retry_wait_to_a_fresh_attempt(store: PostgresSt
     policy = RetryPolicy(retry_on_lost=True, max_attempts=3, safety=Safety.IDEMPOTENT)
     session = open_session(store, "s1", "w1")
     admit_run(store, "r1", "a1", policy=policy)
-    from tests.postgres.pg_helpers import accept_offer, offer
-
-    offer(store, "a1", session, 1_000)
-    accept_offer(store, "a1", session, 1_000)
+    claim_attempt(store, "a1", session, 1_000)
+    close_session(store, "s1")
     store.testing_advance_clock(5_000)
     assert recover(store, "a1")
     assert [c.run_id for c in store.lost_runs(16).items] == ["r1"]
@@ -390,8 +398,13 @@ def test_lost_retry_goes_through_retry_wait_to_a_fresh_attempt(store: PostgresSt
     assert attempts[1].is_pristine
     assert snapshot is not None and snapshot.attempt == attempts[1]
     assert snapshot.lease is not None and snapshot.lease.generation == 1  # latest, released
-    queued = store.queued_attempts(4, ["mail"])
-    assert [(q.run_id, q.attempt_id) for q in queued.items] == [("r1", "a1-2")]
+    open_session(store, "s2", "w2")
+    with store.unit_of_work() as uow:
+        lock = uow.runs.lock_for_claim("s2", ["mail"], 4)
+    assert [(c.run.id, c.attempt.id if c.attempt else None) for c in lock.candidates] == [
+        ("r1", "a1-2")
+    ]
+    assert [c.lease for c in lock.candidates] == [snapshot.lease]
 
 
 # --- constraint violations are conflicts -------------------------------------------------------
@@ -435,7 +448,7 @@ def test_a_second_leased_lease_is_a_conflict(store: PostgresStore) -> None:
         run=snapshot.run,
         attempts=(),
         lease=second,
-        event=RunEvent(run_id="r1", attempt_id="a1", type=EventType.ATTEMPT_OFFERED, at_ms=1),
+        event=RunEvent(run_id="r1", attempt_id="a1", type=EventType.ATTEMPT_STARTED, at_ms=1),
     )
     state = _state(store, "r1")
     with store.unit_of_work() as uow, pytest.raises(ConcurrencyConflict):
@@ -554,10 +567,10 @@ def test_a_renewal_with_a_stale_fence_or_after_expiry_is_a_conflict(
 
 def test_stop_reports_make_a_started_candidate_resolvable(store: PostgresStore) -> None:
     session = open_session(store, "s1", "w1")
-    dispatched(store, "r1", "a1", session, ttl_ms=1_000, started=True)
+    dispatched(store, "r1", "a1", session, ttl_ms=1_000)
     store.testing_advance_clock(5_000)
     (candidate,) = store.recovery_candidates(16).items
-    assert candidate.attempt_status is AttemptStatus.STARTING and not candidate.resolvable
+    assert candidate.attempt_status is AttemptStatus.RUNNING and not candidate.resolvable
     assert not recover(store, "a1")  # fail closed without evidence
     report = StopReport(attempt_id="a1", kind=EvidenceKind.OPERATOR_ATTESTED, reported_at_ms=5)
     with store.unit_of_work() as uow:

@@ -5,6 +5,10 @@ with one ``INSERT ... SELECT generate_series`` per table beside a handful of liv
 exact statements the store runs are EXPLAINed: none may scan ``runs``, ``run_attempts`` or
 ``run_dispatch_leases`` sequentially, each must stay below a fixed cost bound far under the cost
 of reading the history, and each must cost about what it costs with no history at all.
+
+The claim's two statements (``hot.lock_session_sql`` and ``hot.claim_sql``) are EXPLAINed as the
+driver runs them, with their parameters; the claim's candidates must come from the index of
+claimable Runs in queue order, not from a sort of every queued Run.
 """
 
 from __future__ import annotations
@@ -20,20 +24,20 @@ from sqlalchemy.pool import NullPool
 from sqlalchemy.sql import ClauseElement, Executable
 from sqlalchemy.sql.compiler import SQLCompiler
 
+from adapters.postgres import hot
 from adapters.postgres.store import (
     PostgresStore,
     due_retries_query,
     lost_runs_query,
     orphaned_runs_query,
-    queued_attempts_query,
     recovery_candidates_query,
 )
 from domain.policy import RetryPolicy, Safety
 from tests.postgres.pg_helpers import (
-    accept_offer,
     admit_run,
+    claim_attempt,
+    close_session,
     dispatched,
-    offer,
     open_session,
     recover,
     settle,
@@ -63,6 +67,7 @@ class Plans:
     loaded: dict[str, dict[str, Any]]
     full_scan: float
     pages: dict[str, Any]
+    deep_claim: dict[str, Any]
 
 
 class Explain(Executable, ClauseElement):
@@ -84,8 +89,14 @@ QUERIES: dict[str, Callable[[], Any]] = {
     "lost_runs": lambda: lost_runs_query(16),
     "due_retries": lambda: due_retries_query(16, clock_offset_ms=3_600_000),
     "orphaned_runs": lambda: orphaned_runs_query(16),
-    "queued_attempts": lambda: queued_attempts_query(16, ["mail", "report"]),
 }
+# The claim's statements as the store sends them: SQL text and driver parameters.
+_CLAIM_PARAMS = hot.claim_params("s1", ["mail", "report"], 16, 0)
+DRIVER_QUERIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "lock_session": (hot.lock_session_sql(), _CLAIM_PARAMS),
+    "claim": (hot.claim_sql(), _CLAIM_PARAMS),
+}
+ALL_QUERIES = sorted([*QUERIES, *DRIVER_QUERIES])
 
 LOAD_HISTORY = [
     """
@@ -117,17 +128,45 @@ LOAD_HISTORY = [
 ]
 
 
+DEEP_QUEUE = 5_000
+# A deep queue of one task: pristine Attempts of queued Runs, queued one millisecond apart.
+LOAD_DEEP_QUEUE = [
+    f"""
+    INSERT INTO runs (id, task, owner, status, has_policy, attempt_count, created_at, updated_at)
+    SELECT 'deep-' || g, 'deep', 'runtime', 'queued', false, 1, t, t
+    FROM generate_series(1, {DEEP_QUEUE}) AS g,
+         LATERAL (SELECT now() - interval '1 hour' + g * interval '1 millisecond' AS t) AS at
+    """,
+    f"""
+    INSERT INTO run_attempts (id, run_id, number, status, created_at, updated_at)
+    SELECT 'deep-' || g || '-1', 'deep-' || g, 1, 'claimed', t, t
+    FROM generate_series(1, {DEEP_QUEUE}) AS g,
+         LATERAL (SELECT now() - interval '1 hour' + g * interval '1 millisecond' AS t) AS at
+    """,
+    # The oldest of all, handed back just now: first in the queue, though its Run moved last.
+    """
+    INSERT INTO runs (id, task, owner, status, has_policy, attempt_count, created_at, updated_at)
+    VALUES ('deep-0', 'deep', 'runtime', 'queued', false, 1, now() - interval '2 hours', now())
+    """,
+    """
+    INSERT INTO run_attempts (id, run_id, number, status, created_at, updated_at)
+    VALUES ('deep-0-1', 'deep-0', 1, 'claimed', now() - interval '2 hours', now())
+    """,
+]
+
+
 def _live_candidates(store: PostgresStore) -> None:
     """A few Runs of every kind a source looks for."""
     policy = RetryPolicy(retry_on_lost=True, max_attempts=3, safety=Safety.IDEMPOTENT)
+    gone = open_session(store, "s0", "w0", tasks=("mail", "report"))
     session = open_session(store, "s1", "w1", tasks=("mail", "report"))
-    dispatched(store, "expired-claimed", "expired-claimed-1", session, ttl_ms=1_000)
-    dispatched(store, "expired-started", "expired-started-1", session, ttl_ms=1_000, started=True)
-    dispatched(store, "live", "live-1", session, ttl_ms=3_600_000, started=True)
+    dispatched(store, "expired-gone", "expired-gone-1", gone, ttl_ms=1_000)
+    dispatched(store, "expired-started", "expired-started-1", session, ttl_ms=1_000)
+    dispatched(store, "live", "live-1", session, ttl_ms=3_600_000)
     admit_run(store, "retry", "retry-1", policy=policy)
-    offer(store, "retry-1", session, 1_000)
-    accept_offer(store, "retry-1", session, 1_000)
-    dispatched(store, "lost", "lost-1", session, ttl_ms=1_000)
+    claim_attempt(store, "retry-1", gone, 1_000)
+    dispatched(store, "lost", "lost-1", gone, ttl_ms=1_000)
+    close_session(store, "s0")
     store.testing_advance_clock(5_000)
     assert recover(store, "retry-1") and recover(store, "lost-1")
     settle(store, "retry")
@@ -153,6 +192,9 @@ def _explain(engine: Engine, *, index_paths_only: bool = False) -> dict[str, dic
         for name, query in QUERIES.items():
             document = connection.execute(Explain(query())).scalar_one()
             plans[name] = document[0]["Plan"]
+        for name, (sql, params) in DRIVER_QUERIES.items():
+            document = connection.exec_driver_sql("EXPLAIN (FORMAT JSON) " + sql, params)
+            plans[name] = document.scalar_one()[0]["Plan"]
     return plans
 
 
@@ -199,14 +241,34 @@ def plans(pg_database_url: str) -> Iterator[Plans]:
             ).scalar_one()
         full_scan = float(document[0]["Plan"]["Total Cost"])
         store.testing_advance_clock(60_000)  # past the retry's backoff, well before "live" expires
+        with store.unit_of_work() as uow:
+            claim = uow.runs.lock_for_claim("s1", ["report", "mail"], 2)
         pages = {
             "recovery_candidates": store.recovery_candidates(16),
             "lost_runs": store.lost_runs(16),
             "due_retries": store.due_retries(16),
             "orphaned_runs": store.orphaned_runs(2),
-            "queued_attempts": store.queued_attempts(2, ["mail", "report"]),
+            "claim": claim,
         }
-        yield Plans(empty=empty, small=small, loaded=loaded, full_scan=full_scan, pages=pages)
+        with engine.begin() as connection:
+            for statement in LOAD_DEEP_QUEUE:
+                connection.execute(text(statement))
+        with engine.begin() as connection:
+            _analyze(connection)
+        with engine.connect() as connection:
+            params = hot.claim_params("s1", ["deep", "mail"], 16, 0)
+            explain = "EXPLAIN (FORMAT JSON) " + hot.claim_sql()
+            deep_claim = connection.exec_driver_sql(explain, params).scalar_one()[0]["Plan"]
+        with store.unit_of_work() as uow:
+            pages["deep_claim"] = uow.runs.lock_for_claim("s1", ["deep"], 3)
+        yield Plans(
+            empty=empty,
+            small=small,
+            loaded=loaded,
+            full_scan=full_scan,
+            pages=pages,
+            deep_claim=deep_claim,
+        )
     finally:
         store.testing_reset()
         store.close()
@@ -217,13 +279,13 @@ def test_the_history_is_really_there(plans: Plans) -> None:
     assert plans.full_scan > 10 * COST_BOUND
 
 
-@pytest.mark.parametrize("name", sorted(QUERIES))
+@pytest.mark.parametrize("name", ALL_QUERIES)
 def test_no_sequential_scan_of_the_history(plans: Plans, name: str) -> None:
     assert _seq_scans(plans.small[name]) == set()
     assert _seq_scans(plans.loaded[name]) == set()
 
 
-@pytest.mark.parametrize("name", sorted(QUERIES))
+@pytest.mark.parametrize("name", ALL_QUERIES)
 def test_cost_stays_bounded_with_history(plans: Plans, name: str) -> None:
     cost = float(plans.loaded[name]["Total Cost"])
     small = float(plans.small[name]["Total Cost"])
@@ -243,12 +305,60 @@ def test_cost_stays_bounded_with_history(plans: Plans, name: str) -> None:
 def test_the_sources_find_the_live_candidates_among_the_history(plans: Plans) -> None:
     pages = plans.pages
     candidates = pages["recovery_candidates"]
-    assert [c.attempt_id for c in candidates.items] == ["expired-claimed-1", "expired-started-1"]
+    assert [c.attempt_id for c in candidates.items] == ["expired-gone-1", "expired-started-1"]
     assert [c.resolvable for c in candidates.items] == [True, False]
     assert [c.run_id for c in pages["lost_runs"].items] == ["lost"]
     assert [(c.run_id, c.attempt_id) for c in pages["due_retries"].items] == [("retry", "retry-1")]
     assert [c.run_id for c in pages["orphaned_runs"].items] == ["orphan-0", "orphan-1"]
     assert pages["orphaned_runs"].has_more
-    queued = pages["queued_attempts"]
-    assert [q.run_id for q in queued.items] == ["queued-0", "report-0", "queued-1", "report-1"]
-    assert queued.has_more
+    claim = pages["claim"]
+    assert claim.gate.open and claim.capacity is not None
+    assert (claim.capacity.session.id, claim.capacity.in_flight) == ("s1", 2)
+    assert [c.run.id for c in claim.candidates] == ["queued-0", "queued-1", "report-0", "report-1"]
+    # Leased: expired-gone (s0, not recovered here), expired-started and live (s1).
+    assert claim.in_flight_by_task == {"mail": 3}
+
+
+def _index_scans(plan: dict[str, Any]) -> set[str]:
+    return {
+        node["Index Name"]
+        for node in _nodes(plan)
+        if node["Node Type"] in ("Index Scan", "Index Only Scan", "Bitmap Index Scan")
+    }
+
+
+def plan_rows(node: dict[str, Any]) -> int:
+    return int(node["Plan Rows"])
+
+
+def test_the_claim_reads_a_deep_queue_from_its_index_in_queue_order(plans: Plans) -> None:
+    plan = plans.deep_claim
+    assert "ix_runs_claimable" in _index_scans(plan)
+    assert _seq_scans(plan) == set()
+    # The candidates come out of the index in queue order, so the row locks take the first few
+    # and stop: no sort of the queue below them.
+    limits = [
+        node
+        for node in _nodes(plan)
+        if node["Node Type"] == "Limit"
+        and any(child["Node Type"] == "LockRows" for child in node.get("Plans", ()))
+    ]
+    # Two parts, each under its limit: never-changed Attempts and handed-back ones.
+    assert len(limits) == 2, "the candidates are locked under their limits"
+    read: set[str] = set()
+    for limit in limits:
+        (lock,) = [child for child in limit["Plans"] if child["Node Type"] == "LockRows"]
+        assert not [n for n in _nodes(lock) if n["Node Type"] in ("Sort", "Incremental Sort")]
+        indexes = _index_scans(lock)
+        read |= indexes
+        if "ix_runs_claimable" in indexes:
+            # Reading the first 16 costs a small part of locking the whole queue (which the
+            # LockRows node prices): the scan stops at the limit.
+            print(
+                f"claim with a queue of {DEEP_QUEUE}: {limit['Total Cost']:.2f} for the first"
+                f" {plan_rows(limit)}, {lock['Total Cost']:.2f} for the whole queue"
+            )
+            assert float(limit["Total Cost"]) * 20 < float(lock["Total Cost"])
+    assert {"ix_runs_claimable", "ix_run_attempts_handed_back"} <= read
+    deep = plans.pages["deep_claim"]
+    assert [c.run.id for c in deep.candidates] == ["deep-0", "deep-1", "deep-2"]

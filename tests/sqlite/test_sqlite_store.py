@@ -15,7 +15,10 @@ import pytest
 from adapters.sql.sqlite import SchemaMismatch, SqliteStore
 from adapters.sql.sqlite.wake import WakeListener, poke
 from application.admission import Admission
+from application.dispatch import DispatchGateStep
 from application.identities import RandomIdentities
+from application.ports import DispatchGate
+from application.worker_commands import NoGrant, Release, WorkerCommands
 
 
 @pytest.fixture
@@ -157,3 +160,181 @@ def test_an_in_memory_store_refuses_a_nested_unit_of_work_in_one_thread() -> Non
             assert uow.now_ms() > 0
     finally:
         memory.close()
+
+
+# --- the claim protocol (ADR 0007) -------------------------------------------------------------
+
+
+def _commands(store: SqliteStore) -> WorkerCommands:
+    return WorkerCommands(store.unit_of_work, RandomIdentities(), 60_000)
+
+
+def test_a_commit_that_queues_a_run_again_pokes_and_a_claim_does_not(store: SqliteStore) -> None:
+    assert store.wake_path is not None
+    listener = WakeListener(store.wake_path)
+    try:
+        commands = _commands(store)
+        Admission(store.unit_of_work, RandomIdentities()).submit("t")
+        assert listener.drain() == 1
+        session = commands.register("w1", 2, ["t"])
+        (grant,) = commands.claim(session.session_id, session.secret, limit=2).grants
+        assert select.select([listener], [], [], 0.1)[0] == []  # queued -> running: no work
+        answer = commands.release_many(
+            session.session_id, session.secret, [Release(fence=grant.fence, cause="draining")]
+        )
+        assert answer.results[0].ok
+        assert select.select([listener], [], [], 1.0)[0] == [listener]
+        assert listener.drain() == 1
+        # A claim that hands back what the worker no longer holds queues it again, too.
+        (again,) = commands.claim(session.session_id, session.secret, limit=1).grants
+        assert again.run_id == grant.run_id and listener.drain() == 0
+        answer2 = commands.claim(session.session_id, session.secret, limit=0, held=[])
+        assert answer2.released == (again.attempt_id,)
+        assert listener.drain() == 1
+        # Any admission wakes, a Run admitted ``created`` (a workflow's aggregate) too.
+        from domain.transitions import admit
+
+        with store.unit_of_work() as uow:
+            created = admit(
+                run_id="c1", attempt_id=None, task="t", input=None, policy=None,
+                now_ms=uow.now_ms(),
+            )
+            uow.runs.add(created)
+            uow.commit()
+        assert listener.drain() == 1
+    finally:
+        listener.close()
+
+
+def test_claims_take_the_oldest_queued_first_and_respect_the_gate(store: SqliteStore) -> None:
+    commands = _commands(store)
+    admission = Admission(store.unit_of_work, RandomIdentities())
+    first = admission.submit("t")
+    store.testing_advance_clock(10)
+    second = admission.submit("t")
+    session = commands.register("w1", 1, ["t"])
+    with store.unit_of_work() as uow:
+        closed = DispatchGate(open=False, reason="lost_retry failed: boom", changed_at_ms=7)
+        uow.gate.set(closed)
+        uow.commit()
+    assert store.dispatch_gate() == closed
+    answer = commands.claim(session.session_id, session.secret, limit=1)
+    assert (answer.grants, answer.no_grant, answer.detail) == (
+        (),
+        NoGrant.GATE_CLOSED,
+        "lost_retry failed: boom",
+    )
+    assert DispatchGateStep(store.unit_of_work, store).run_once().opened == 1
+    (grant,) = commands.claim(session.session_id, session.secret, limit=1).grants
+    assert grant.run_id == first
+    answer = commands.claim(session.session_id, session.secret, limit=1)
+    assert answer.no_grant is NoGrant.NO_CAPACITY
+    with store.unit_of_work() as uow:
+        assert list(uow.sessions.held_by(session.session_id)) == [grant.attempt_id]
+        lock = uow.runs.lock_for_claim(session.session_id, ["t"], 4)
+    assert [c.run.id for c in lock.candidates] == [second]
+    assert lock.in_flight_by_task == {"t": 1}
+    assert lock.capacity is not None and lock.capacity.in_flight == 1
+
+
+def test_a_missing_gate_row_reads_closed_and_is_written_anew(store: SqliteStore) -> None:
+    with store.unit_of_work() as uow:
+        uow.connection.exec_driver_sql("DELETE FROM dispatch_gate")
+        uow.commit()
+    assert not store.dispatch_gate().open
+    assert DispatchGateStep(store.unit_of_work, store).run_once().opened == 1
+    assert store.dispatch_gate().open
+
+
+def _as_version_1(path: Path) -> None:
+    """Turn a version 2 database back into what version 1 created: no gate, the old index of
+    queued Runs, and the narrower checks on leases and events."""
+    connection = sqlite3.connect(path, isolation_level=None)
+    try:
+        connection.execute("BEGIN IMMEDIATE")
+        connection.execute("DROP TABLE dispatch_gate")
+        connection.execute("DROP INDEX ix_runs_claimable")
+        connection.execute("CREATE INDEX ix_runs_queued ON runs (task, id) WHERE status = 'queued'")
+        narrower = {
+            "run_events": ("'attempt_started', 'attempt_released', ", ""),
+            "run_dispatch_leases": (", 'handed_back'", ""),
+        }
+        for table, (new, old) in narrower.items():
+            (ddl,) = connection.execute(
+                "SELECT sql FROM sqlite_master WHERE type = 'table' AND name = ?", (table,)
+            ).fetchone()
+            assert new in ddl
+            indexes = connection.execute(
+                "SELECT sql FROM sqlite_master WHERE type = 'index' AND tbl_name = ?"
+                " AND sql IS NOT NULL",
+                (table,),
+            ).fetchall()
+            connection.execute(f"ALTER TABLE {table} RENAME TO {table}_new")
+            for (index,) in indexes:
+                name = index.split()[2] if "UNIQUE" not in index else index.split()[3]
+                connection.execute(f"DROP INDEX {name}")
+            connection.execute(ddl.replace(new, old))
+            connection.execute(f"INSERT INTO {table} SELECT * FROM {table}_new")
+            connection.execute(f"DROP TABLE {table}_new")
+            for (index,) in indexes:
+                connection.execute(index)
+        connection.execute("PRAGMA user_version = 1")
+        connection.execute("COMMIT")
+    finally:
+        connection.close()
+
+
+def test_a_version_1_database_is_upgraded_in_place(tmp_path: Path) -> None:
+    path = tmp_path / "old.sqlite"
+    old = SqliteStore(path)
+    run_id = Admission(old.unit_of_work, RandomIdentities()).submit("t")
+    old.close()
+    _as_version_1(path)
+    with pytest.raises(sqlite3.IntegrityError):  # the old check refuses the new event type
+        connection = sqlite3.connect(path)
+        try:
+            connection.execute(
+                "INSERT INTO run_events (run_id, type, at, data) VALUES (?, ?, 1, '{}')",
+                (run_id, "attempt_started"),
+            )
+        finally:
+            connection.close()
+
+    upgraded = SqliteStore(path)
+    try:
+        assert _pragma(upgraded, "user_version") == 2
+        assert upgraded.dispatch_gate().open
+        with upgraded.unit_of_work() as uow:
+            indexes = {
+                name
+                for (name,) in uow.connection.exec_driver_sql(
+                    "SELECT name FROM sqlite_master WHERE type = 'index'"
+                )
+            }
+            (event,) = uow.runs.events_of(run_id)
+        assert "ix_runs_claimable" in indexes and "ix_runs_queued" not in indexes
+        assert {"ix_run_events_run_id", "uq_run_dispatch_leases_one_leased_per_run"} <= indexes
+        assert event.event.type.value == "run_admitted"
+        commands = _commands(upgraded)
+        session = commands.register("w1", 1, ["t"])
+        (grant,) = commands.claim(session.session_id, session.secret, limit=1).grants
+        released = commands.release_many(
+            session.session_id, session.secret, [Release(fence=grant.fence)]
+        )
+        assert grant.run_id == run_id and released.results[0].ok
+        with upgraded.unit_of_work() as uow:
+            types = [e.event.type.value for e in uow.runs.events_of(run_id)]
+            (lease,) = uow.runs.leases_of(run_id)
+        assert types == ["run_admitted", "attempt_started", "attempt_released"]
+        assert lease.release_reason is not None and lease.release_reason.value == "handed_back"
+    finally:
+        upgraded.close()
+    assert _pragma_of(path, "user_version") == 2
+
+
+def _pragma_of(path: Path, name: str) -> object:
+    store = SqliteStore(path)
+    try:
+        return _pragma(store, name)
+    finally:
+        store.close()

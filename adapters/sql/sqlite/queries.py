@@ -10,14 +10,15 @@ whole database, which serialises every writer.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
-from sqlalchemy import ColumnElement, Delete, Select, Update, delete, func, literal, select
+from sqlalchemy import ColumnElement, Delete, Insert, Select, Update, delete, func, literal, select
 
 from adapters.sql import statements
 from adapters.sql.schema import metadata, run_attempts, run_dispatch_leases, runs, triggers
 from adapters.sql.statements import Spelling, attempt_columns, run_columns
+from application.ports import OPEN_GATE
 from domain.model import DispatchLease, LeaseStatus, RunOwner, RunStatus
 from domain.triggers import TriggerStatus
 
@@ -55,8 +56,8 @@ def open_sessions_of(worker_id: str) -> Select:
     return statements.open_sessions_of(worker_id, SQLITE)
 
 
-def offers_of(session_id: str) -> Select:
-    return statements.offers_of(session_id, SQLITE)
+def held_by(session_id: str) -> Select:
+    return statements.held_by(session_id, SQLITE)
 
 
 def renew_lease(before: DispatchLease, after: DispatchLease, now_ms: int) -> Update:
@@ -118,40 +119,19 @@ def orphaned_runs_query(limit: int) -> Select:
     )
 
 
-def queued_attempts_query(limit_per_task: int, tasks: Sequence[str]) -> Select:
-    """Pristine latest Attempts of ``queued`` Runs of the named tasks, at most
-    ``limit_per_task + 1`` per task (the extra row tells ``has_more``), by (queued_at, run id)."""
-    a = run_attempts.c
-    r = runs.c
-    ranked = (
-        select(
-            r.id.label("run_id"),
-            a.id.label("attempt_id"),
-            r.task.label("task"),
-            a.created_at.label("queued_at"),
-            func.row_number()
-            .over(partition_by=r.task, order_by=(a.created_at, r.id))
-            .label("task_rank"),
-        )
-        .select_from(runs.join(run_attempts, a.id == statements.latest_attempt_id()))
-        .where(
-            _is(r.status, RunStatus.QUEUED),
-            r.task.in_(list(tasks)),
-            statements.pristine(a, SQLITE),
-        )
-        .subquery("ranked")
-    )
-    return (
-        select(*ranked.c)
-        .where(ranked.c.task_rank <= limit_per_task + 1)
-        .order_by(ranked.c.queued_at, ranked.c.run_id)
-    )
+# --- the claim ---------------------------------------------------------------------------------
 
 
-def available_sessions_query(max_silence_ms: int, now_ms: int) -> Select:
-    """Active sessions heard from less than ``max_silence_ms`` ago, with the number of leased
-    leases each holds, by id."""
-    return statements.sessions_heard_since(now_ms - max_silence_ms, SQLITE)
+def leases_held(session_id: str) -> Select:
+    return statements.leases_held(session_id, SQLITE)
+
+
+def claimable(task: str, limit: int, *, handed_back: bool) -> Select:
+    return statements.claimable(task, limit, SQLITE, handed_back=handed_back)
+
+
+def in_flight_by_task(tasks: Iterable[str]) -> Select:
+    return statements.in_flight_by_task(tasks, SQLITE)
 
 
 # --- due times (what an idle Edge process sleeps until) ---------------------------------------
@@ -181,6 +161,10 @@ def last_foreign_lease_expiry_query(session_id: str) -> Select:
 # --- maintenance -------------------------------------------------------------------------------
 
 
-def delete_all() -> list[Delete]:
-    """DELETE every row, children before parents (test hook)."""
-    return [delete(table) for table in reversed(metadata.sorted_tables)]
+def delete_all() -> list[Delete | Insert]:
+    """DELETE every row, children before parents, then put the dispatch gate's one row back,
+    open (test hook)."""
+    return [
+        *(delete(table) for table in reversed(metadata.sorted_tables)),
+        statements.insert_gate(OPEN_GATE),
+    ]

@@ -20,8 +20,14 @@ Time
     The store's clock is this host's clock, read by the store (never by the domain), never going
     backwards within one store; all processes sharing the database file share the host's clock.
 Wake-ups
-    A committed admission pokes the database's wake channel (:mod:`adapters.sql.sqlite.wake`), so
-    an idle executing process starts at once without polling.
+    A commit that admits a Run, puts one into ``queued`` (a hand-back, the next Attempt of a
+    retry, a first Attempt) or changes a trigger pokes the database's wake channel
+    (:mod:`adapters.sql.sqlite.wake`), so an idle executing process starts at once without
+    polling.
+Schema
+    ``PRAGMA user_version`` is :data:`SCHEMA_VERSION`. A database of version 1 (before the
+    claim protocol of ADR 0007) is brought to version 2 when it is opened: the dispatch gate,
+    the claim's candidate index, and the new release reason and event types.
 
 ``SqliteStore(None)`` (or ``":memory:"``) is a private in-memory database on one connection,
 whose transactions are serialised by a lock: for tests and throw-away containers.
@@ -37,15 +43,23 @@ from contextlib import contextmanager
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import BigInteger, ColumnElement, Connection, Engine, create_engine, event, literal
+from sqlalchemy import (
+    BigInteger,
+    ColumnElement,
+    Connection,
+    Engine,
+    create_engine,
+    event,
+    literal,
+)
 from sqlalchemy.pool import StaticPool
 from sqlalchemy.sql import Executable
 
 from adapters.batches import OneAtATime
 from adapters.sql import rows, statements
-from adapters.sql.capacity import SqlCapacityLocks, in_flight_by_task
 from adapters.sql.repositories import (
     SqlEvidenceRepository,
+    SqlGateRepository,
     SqlRunRepository,
     SqlSessionRegistry,
     check_page_limit,
@@ -58,15 +72,17 @@ from adapters.sql.transaction import ConnectionTransaction
 from adapters.sql.triggers import SqlTriggerRepository, due_triggers_query
 from adapters.sql.workflows import SqlWorkflowRepository, workflow_candidates_query
 from application.ports import (
+    OPEN_GATE,
+    ClaimLock,
+    DispatchGate,
+    DispatchGateRepository,
     DueTrigger,
     EvidenceRepository,
     Page,
-    QueuedAttempt,
     RecoveryCandidate,
     RunCandidate,
     RunRepository,
     SessionCapacity,
-    SessionCapacityLocks,
     Snapshot,
     TriggerRepository,
     WorkerSessionRegistry,
@@ -78,6 +94,7 @@ from domain.model import (
     AttemptStatus,
     DispatchLease,
 )
+from domain.states import CLAIMABLE_RUN_STATUSES
 from domain.transitions import Change
 from domain.triggers import Trigger
 
@@ -86,8 +103,10 @@ if TYPE_CHECKING:
 
 __all__ = ["SCHEMA_VERSION", "SchemaMismatch", "SqliteStore", "SqliteUnitOfWork"]
 
-# PRAGMA user_version of a database this store created; another value is refused.
-SCHEMA_VERSION = 1
+# PRAGMA user_version of a database this store created; another value is refused, but for
+# UPGRADABLE_VERSION, which is upgraded in place.
+SCHEMA_VERSION = 2
+UPGRADABLE_VERSION = 1
 MEMORY = ":memory:"
 BEGIN_OPTION = "ql3_sqlite_begin"
 
@@ -133,8 +152,7 @@ class SqliteUnitOfWork(ConnectionTransaction):
         self.evidence: EvidenceRepository = SqlEvidenceRepository(self)
         self.triggers: TriggerRepository = SqliteTriggerRepository(self)
         self.workflows: WorkflowRepository = SqlWorkflowRepository(self)
-        # Under the transaction's database lock, as every read here.
-        self.capacity: SessionCapacityLocks = SqlCapacityLocks(self)
+        self.gate: DispatchGateRepository = SqlGateRepository(self)
 
     def __enter__(self) -> SqliteUnitOfWork:
         if self._connection is not None:
@@ -179,8 +197,8 @@ class SqliteUnitOfWork(ConnectionTransaction):
             self._store.announce_work()
 
     def note_admission(self) -> None:
-        """This transaction admitted work (or changed when work becomes due): its commit wakes
-        the executing process."""
+        """This transaction gives the executing process work (a Run put into ``queued``) or
+        changes when work becomes due (a trigger): its commit wakes that process."""
         self._admitted = True
 
 
@@ -190,9 +208,57 @@ class SqliteUnitOfWork(ConnectionTransaction):
 class SqliteRunRepository(OneAtATime, SqlRunRepository[SqliteUnitOfWork]):
     queries = queries
 
-    def add(self, change: Change) -> None:
-        super().add(change)
-        self._uow.note_admission()
+    def add_many(self, changes: Sequence[Change]) -> None:
+        super().add_many(changes)
+        if changes:
+            # Any admission, queued or not: a workflow's aggregate is admitted ``created`` and
+            # the executing process's frontier starts it.
+            self._uow.note_admission()
+
+    def lock_for_claim(
+        self, session_id: str, tasks: Sequence[str], limit_per_task: int
+    ) -> ClaimLock:
+        """Read under the transaction's database lock, which no other writer shares: the
+        session, the leases it holds, the gate and, while it is open, each task's oldest
+        claimable Attempts with their Runs' latest leases (the oldest of those never changed and
+        of those handed back, merged; see :func:`adapters.sql.statements.claimable`)."""
+        uow = self._uow
+        now_ms = uow.now_ms()
+        row = uow.execute(statements.get_session(session_id)).mappings().first()
+        capacity = None
+        if row is not None:
+            held = int(uow.execute(queries.leases_held(session_id)).scalar_one())
+            capacity = SessionCapacity(session=rows.session_from_row(row), in_flight=held)
+        gate = SqlGateRepository(uow).get()
+        candidates: list[Snapshot] = []
+        in_flight: dict[str, int] = {}
+        if gate.open and capacity is not None:
+            for task in sorted(set(tasks)):
+                found = [
+                    (
+                        rows.run_from_row(candidate, RUN_COLUMNS),
+                        rows.attempt_from_row(candidate, ATTEMPT_COLUMNS),
+                    )
+                    for handed_back in (False, True)
+                    for candidate in uow.execute(
+                        queries.claimable(task, limit_per_task, handed_back=handed_back)
+                    ).mappings()
+                ]
+                found.sort(key=lambda pair: (pair[1].created_at_ms, pair[0].id))
+                for run, attempt in found[:limit_per_task]:
+                    lease = self._lease(run.id, attempt)
+                    candidates.append(Snapshot(run=run, attempt=attempt, lease=lease))
+            claimed_tasks = sorted({snapshot.run.task for snapshot in candidates})
+            if claimed_tasks:
+                counts = uow.execute(queries.in_flight_by_task(claimed_tasks))
+                in_flight = {str(task): int(count) for task, count in counts}
+        return ClaimLock(
+            capacity=capacity,
+            gate=gate,
+            candidates=tuple(candidates),
+            in_flight_by_task=in_flight,
+            observed_at_ms=now_ms,
+        )
 
     def lock_attempt(self, attempt_id: str, *, skip_locked: bool = False) -> Snapshot | None:
         # The transaction already holds the database's write lock: nothing else to take, and
@@ -225,6 +291,8 @@ class SqliteRunRepository(OneAtATime, SqlRunRepository[SqliteUnitOfWork]):
         if change.run.id != before.run.id:
             raise ValueError(f"change of run {change.run.id} applied to run {before.run.id}")
         self._uow.atomically(lambda: self._apply(before, change))
+        if change.run.status in CLAIMABLE_RUN_STATUSES:
+            self._uow.note_admission()
 
     def _apply(self, before: Snapshot, change: Change) -> None:
         uow = self._uow
@@ -352,7 +420,7 @@ class SqliteStore:
         # Take the write lock, then look again: another process may be creating it right now.
         with self._transaction() as connection:
             version = int(connection.exec_driver_sql("PRAGMA user_version").scalar_one())
-            if version not in (0, SCHEMA_VERSION):
+            if version not in (0, UPGRADABLE_VERSION, SCHEMA_VERSION):
                 raise SchemaMismatch(
                     f"{self.path or MEMORY} has schema version {version}, this store needs "
                     f"{SCHEMA_VERSION}"
@@ -364,7 +432,10 @@ class SqliteStore:
                 if existing:
                     raise SchemaMismatch(f"{self.path} is not a QL3 runtime database")
                 metadata.create_all(connection)
-                connection.exec_driver_sql(f"PRAGMA user_version = {SCHEMA_VERSION}")
+                connection.execute(statements.insert_gate(OPEN_GATE))
+            elif version == UPGRADABLE_VERSION:
+                upgrade_from_version_1(connection)
+            connection.exec_driver_sql(f"PRAGMA user_version = {SCHEMA_VERSION}")
             connection.commit()
 
     # connections
@@ -495,37 +566,10 @@ class SqliteStore:
         check_page_limit(limit)
         return self._run_page(lambda _now: queries.orphaned_runs_query(limit), limit)
 
-    def queued_attempts(self, limit_per_task: int, tasks: Sequence[str]) -> Page[QueuedAttempt]:
-        check_page_limit(limit_per_task, "limit_per_task")
-        wanted = list(tasks)
-        now, found = self._page_rows(
-            lambda _now: queries.queued_attempts_query(limit_per_task, wanted)
-        )
-        items = tuple(
-            QueuedAttempt(
-                run_id=row["run_id"],
-                attempt_id=row["attempt_id"],
-                task=row["task"],
-                queued_at_ms=int(row["queued_at"]),
-            )
-            for row in found
-            if row["task_rank"] <= limit_per_task
-        )
-        has_more = any(row["task_rank"] > limit_per_task for row in found)
-        return Page(items=items, has_more=has_more, observed_at_ms=now)
-
-    def available_sessions(self, max_silence_ms: int) -> Sequence[SessionCapacity]:
-        _, found = self._page_rows(
-            lambda now: queries.available_sessions_query(max_silence_ms, now)
-        )
-        return tuple(
-            SessionCapacity(session=rows.session_from_row(row), in_flight=int(row["in_flight"]))
-            for row in found
-        )
-
-    def in_flight_by_task(self, tasks: Sequence[str]) -> dict[str, int]:
+    def dispatch_gate(self) -> DispatchGate:
         with self._transaction(read_only=True) as connection:
-            return in_flight_by_task(connection, tasks)
+            row = connection.execute(statements.get_gate()).mappings().first()
+        return statements.gate_from_row(row)
 
     def due_triggers(self, limit: int) -> Page[DueTrigger]:
         check_page_limit(limit)
@@ -568,6 +612,36 @@ class SqliteStore:
 
 def _nothing() -> None:
     return None
+
+
+# Tables whose CHECK constraints version 2 widened; SQLite cannot alter a constraint, so they are
+# rebuilt (nothing references them by a foreign key).
+_REBUILT_IN_VERSION_2 = ("run_dispatch_leases", "run_events")
+
+
+def upgrade_from_version_1(connection: Connection) -> None:
+    """Version 1 to 2, inside the caller's write transaction: the dispatch gate with its row,
+    ``ix_runs_claimable`` instead of ``ix_runs_queued``, ``ix_run_attempts_handed_back``, and
+    ``run_dispatch_leases`` and ``run_events`` rebuilt with the checks of the declared schema
+    (rows kept, ids included)."""
+    tables = metadata.tables
+    for name in _REBUILT_IN_VERSION_2:
+        table = tables[name]
+        for index in table.indexes:
+            connection.exec_driver_sql(f"DROP INDEX IF EXISTS {index.name}")
+        connection.exec_driver_sql(f"ALTER TABLE {name} RENAME TO {name}_version_1")
+        table.create(connection)
+        columns = ", ".join(column.name for column in table.columns)
+        connection.exec_driver_sql(
+            f"INSERT INTO {name} ({columns}) SELECT {columns} FROM {name}_version_1"
+        )
+        connection.exec_driver_sql(f"DROP TABLE {name}_version_1")
+    connection.exec_driver_sql("DROP INDEX IF EXISTS ix_runs_queued")
+    metadata.create_all(connection)  # the tables that are missing: the gate
+    for table in metadata.sorted_tables:  # and the indexes missing on the others
+        for index in table.indexes:
+            index.create(connection, checkfirst=True)
+    connection.execute(statements.insert_gate(OPEN_GATE))
 
 
 def _clock(now_ms: int) -> ColumnElement[int]:
