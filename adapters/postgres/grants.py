@@ -5,10 +5,15 @@ beyond LOGIN, takes it out of every role it was a member of, revokes every privi
 this database, then grants exactly:
 
 - ``CONNECT`` on the database and ``USAGE`` on the schema of the QL3 tables;
-- ``SELECT`` on ``runs``, ``run_attempts``, ``run_dispatch_leases`` and ``worker_sessions``
-  (what :class:`~adapters.postgres.ingress.PostgresIngressStore` reads: a session and its offers,
-  and the Run, Attempt and lease a worker command decides on);
-- ``EXECUTE`` on the four functions of migration ``0002_ingress`` (its only way to write).
+- ``SELECT`` on ``runs``, ``run_attempts``, ``run_dispatch_leases``, ``worker_sessions`` and
+  ``dispatch_gate`` (what :class:`~adapters.postgres.ingress.PostgresIngressStore` reads: a
+  session and the leases it holds, the Run, Attempt and lease a worker command decides on, and
+  whether claims may grant);
+- ``EXECUTE`` on the entry points of migrations ``0002_ingress`` and ``0005_ingress_claim``:
+  the four fenced write functions (its only way to write), the claim's locks
+  (``ql3_ingress_claim_lock``, ``SECURITY DEFINER``: row locks need a privilege the role does not
+  have) and the batch read of Attempts under their advisory locks
+  (``ql3_ingress_lock_attempts``, ``SECURITY INVOKER``: it can do nothing the role cannot).
 
 Nothing on ``run_events`` or ``attempt_stop_reports``, no INSERT, UPDATE, DELETE, TRUNCATE,
 REFERENCES or TRIGGER anywhere, no sequence, no other function of the schema. Privileges that
@@ -18,10 +23,12 @@ stand in for theirs.
 
 What this holds against a compromised ingress: it can perform only a worker's transitions, each
 under the fence that transition requires (the lease of that generation, version and token hash,
-held by the session whose secret hash it presents, and live, except that the worker's abandon
-report is recorded only once it expired), with times of "now" and lease extensions of at most a
-day. It cannot admit, cancel, recover, retry, attest, delete or
-rewrite history, and it cannot write a column a worker's transition does not change. The secret
+held by the session whose secret hash it presents, and live, except that a hand-back gives an
+expired lease up too and the worker's abandon report is recorded only once it expired), with
+times of "now" and lease extensions of at most a day. A claim takes only the pristine Attempt of
+a ``queued`` Run of a task the active session serves, while the dispatch gate is open and within
+the session's capacity. It cannot admit, cancel, recover, retry, attest, delete or rewrite
+history, and it cannot write a column a worker's transition does not change. The secret
 and token hash columns are readable (the Python domain authenticates against them, as on the
 runtime's own store), so such an ingress could act for any worker whose session and lease are
 live; it sees those workers' secrets and tokens in flight anyway.
@@ -45,12 +52,20 @@ from typing import Any
 
 from sqlalchemy import Connection, Engine, text
 
-INGRESS_TABLES = ("runs", "run_attempts", "run_dispatch_leases", "worker_sessions")
+INGRESS_TABLES = (
+    "runs",
+    "run_attempts",
+    "run_dispatch_leases",
+    "worker_sessions",
+    "dispatch_gate",
+)
 INGRESS_FUNCTIONS = (
     "ql3_ingress_register_sessions(jsonb)",
     "ql3_ingress_update_sessions(jsonb)",
     "ql3_ingress_apply(jsonb)",
     "ql3_ingress_renew(jsonb)",
+    "ql3_ingress_claim_lock(text, text, text[], integer)",
+    "ql3_ingress_lock_attempts(text[], boolean)",
 )
 
 ROLE_NAME = re.compile(r"[a-z_][a-z0-9_]{0,62}")

@@ -1,46 +1,67 @@
 """The worker ingress's store: the ports :class:`application.worker_commands.WorkerCommands`
-needs, on PostgreSQL, through the ingress's own least-privilege role.
+needs, on PostgreSQL, through the ingress's own least-privilege role (ADR 0004, ADR 0007).
 
 That role (see :mod:`adapters.postgres.grants`) may read ``runs``, ``run_attempts``,
-``run_dispatch_leases`` and ``worker_sessions`` and execute the four ``SECURITY DEFINER``
-functions of migration ``0002_ingress``; it can INSERT, UPDATE or DELETE nothing. The Python domain
-still decides every transition, exactly as over :class:`~adapters.postgres.store.PostgresStore`;
-this store only persists the decisions differently:
+``run_dispatch_leases``, ``worker_sessions`` and ``dispatch_gate`` and execute the entry points
+of migrations ``0002_ingress`` and ``0005_ingress_claim``; it can INSERT, UPDATE or DELETE
+nothing and take no row lock. The Python domain still decides every transition, exactly as over
+:class:`~adapters.postgres.store.PostgresStore`; this store only persists the decisions
+differently, in few round trips:
 
-- Reads are plain ``SELECT`` statements. :meth:`IngressRunRepository.lock_attempt` takes the
-  Attempt's advisory lock like the runtime's store, but reads the Run, Attempt and lease rows
-  **without** ``FOR UPDATE`` (which needs the UPDATE privilege); ``open_sessions_of`` likewise.
-  Each function re-reads and locks the rows itself and re-checks what was read, so a row that
-  changed in between is a :class:`~domain.errors.ConcurrencyConflict`, as a failed
-  compare-and-set is in the runtime's store.
-- Every write is one call of a function with one item: the columns the change alters (a diff of
-  the rows before and after), the compare-and-set values read, the acting session's id and
-  secret hash, and the event. The function checks that it is a transition a worker may make and
-  applies it with its event, all or nothing; an item it refuses leaves the transaction usable, so
-  the batch commands of ``WorkerCommands`` go on with their other items.
+- :meth:`IngressSessionRegistry.get` reads the session together with the Attempts its
+  ``leased`` leases name and the clock, in one statement: ``held_by`` and ``now_ms`` then need
+  none of their own.
+- :meth:`IngressRunRepository.lock_attempts` is one call of ``ql3_ingress_lock_attempts`` for
+  the whole batch: each Attempt's advisory lock (the runtime's own), then the Runs, Attempts and
+  leases read by one statement once every lock is held, so the read sees every commit made
+  before each lock was granted. No row lock (it needs the UPDATE privilege): each write function
+  re-locks and re-checks the rows, so a row that changed in between is a
+  :class:`~domain.errors.ConcurrencyConflict`, as a failed compare-and-set is in the runtime's
+  store.
+- :meth:`IngressRunRepository.lock_for_claim` is one call of ``ql3_ingress_claim_lock``
+  (``SECURITY DEFINER``): the session row locked, its lease count, the dispatch gate and, while
+  it is open, the candidates locked ``SKIP LOCKED``, their tasks' in-flight counts and the clock.
+- :meth:`IngressRunRepository.apply_many` sends every write of a command (claims, completions,
+  hand-backs, abandonments) as the items of one ``ql3_ingress_apply`` call (256 items a call):
+  the columns each change alters (a diff of the rows before and after), the compare-and-set
+  values read, the acting session's id and secret hash, and the event. The function checks that
+  each is a transition a worker may make and applies it with its event. A batch is all or
+  nothing: when any item is refused after others were written, the unit of work refuses to
+  commit. Renewals are held and sent the same way, as one ``ql3_ingress_renew`` call, with the
+  batch's writes or at commit.
 - The acting session is the one this unit of work read with ``sessions.get`` (which is how
-  ``WorkerCommands`` authenticates a caller): a change of an Attempt is sent on behalf of the
-  session that holds its lease, and only if that session was read here.
+  ``WorkerCommands`` authenticates a caller): a change is sent on behalf of the session that
+  holds the lease (or, for a claim, is granted it), and only if that session was read here.
 - A stop report (``evidence.record``) is held until the ``apply`` of its audit event and sent
   with it; the replacement of a worker's older sessions (``sessions.update`` to ``replaced``)
-  is held until ``sessions.add`` of the new session and sent with it. Both are single function
-  calls, so neither can be written without the other.
+  is held until ``sessions.add`` of the new session and sent with it.
 
-What the ingress role may not do raises :class:`IngressNotPermitted`: admission, creating
-Attempts or leases, operator attestations, reading events or stop reports, and every candidate
-source of recovery, lost retry, startup and dispatch (they run on the runtime's own store).
+A claim with completions thus costs four statements and the commit: the session (with what it
+holds and the clock), the completions' locks, the claim's locks, every write of the call; a claim
+without completions or hand-backs three statements and the commit. (psycopg sends its ``BEGIN``
+on its own before the first statement: one more round trip per transaction, on every store.)
+
+Input PostgreSQL cannot store (a NUL character, a lone surrogate) is refused as
+:class:`~domain.errors.InvalidAdmission` before or when it reaches the database, never raised as
+a store error. What the ingress role may not do raises :class:`IngressNotPermitted`: admission,
+operator attestations, reading events or stop reports, and every candidate source of recovery,
+lost retry and startup (they run on the runtime's own store).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import datetime as dt
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from functools import cache
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, NoReturn
 
+import psycopg
 from sqlalchemy import (
+    Boolean,
     Column,
     Connection,
+    Double,
     Engine,
     Integer,
     Select,
@@ -48,40 +69,32 @@ from sqlalchemy import (
     TextClause,
     bindparam,
     func,
-    literal_column,
-    or_,
     select,
     text,
-    true,
 )
-from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.dialects.postgresql import ARRAY, JSON, JSONB, aggregate_order_by
 from sqlalchemy.engine import make_url
-from sqlalchemy.sql.elements import BindParameter
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.sql.selectable import TextualSelect
 
-from adapters.batches import OneAtATime
 from adapters.postgres import queries
 from adapters.postgres.engine import pooled_engine
-from adapters.postgres.queries import ADVISORY_LOCK_NAMESPACE
 from adapters.sql import rows, statements
 from adapters.sql.repositories import SqlRunReads, SqlSessionReads
 from adapters.sql.schema import (
     EpochMillis,
+    datetime_to_millis,
     millis_to_datetime,
     run_attempts,
     run_dispatch_leases,
     runs,
     worker_sessions,
 )
-from adapters.sql.statements import (
-    ATTEMPT_COLUMNS,
-    LEASE_COLUMNS,
-    OPEN_SESSION_STATUSES,
-    RUN_COLUMNS,
-)
 from application.ports import (
+    ClaimLock,
+    DispatchGate,
     EvidenceRepository,
     Page,
-    QueuedAttempt,
     RecoveryCandidate,
     RunCandidate,
     RunRepository,
@@ -90,14 +103,17 @@ from application.ports import (
     StoredEvent,
     WorkerSessionRegistry,
 )
-from domain.errors import ConcurrencyConflict
+from domain.errors import ConcurrencyConflict, InvalidAdmission
+from domain.events import EventType, RunEvent
 from domain.model import (
     DispatchLease,
     EvidenceKind,
+    LeaseStatus,
     SessionStatus,
     StopReport,
     WorkerSession,
 )
+from domain.states import OPEN_SESSION_STATUSES
 from domain.transitions import Change
 
 if TYPE_CHECKING:
@@ -113,6 +129,10 @@ REGISTER_SESSIONS = "ql3_ingress_register_sessions"
 UPDATE_SESSIONS = "ql3_ingress_update_sessions"
 APPLY = "ql3_ingress_apply"
 RENEW = "ql3_ingress_renew"
+CLAIM_LOCK = "ql3_ingress_claim_lock"
+LOCK_ATTEMPTS = "ql3_ingress_lock_attempts"
+# What one call of a function takes (its check_batch; the lock functions likewise).
+MAX_CALL_ITEMS = 256
 
 
 class IngressNotPermitted(RuntimeError):
@@ -131,6 +151,38 @@ def _driver_url(url: str) -> str:
     return parsed.render_as_string(hide_password=False)
 
 
+def _chunks(items: Sequence[Any]) -> Iterator[tuple[int, Sequence[Any]]]:
+    for start in range(0, len(items), MAX_CALL_ITEMS):
+        yield start, items[start : start + MAX_CALL_ITEMS]
+
+
+# --- input PostgreSQL cannot store -------------------------------------------------------------
+
+
+def _unstorable(error: BaseException) -> str | None:
+    """Why PostgreSQL (or the driver, before sending) refused a value as bad input, or None
+    when the error is something else. Never the error's own text: it can quote the parameters
+    (secret and token hashes)."""
+    if isinstance(error, UnicodeEncodeError):
+        return "a string is not valid Unicode (a lone surrogate)"
+    if not isinstance(error, psycopg.DataError):
+        return None
+    state = error.sqlstate
+    first_line = str(error).split("\n", 1)[0]
+    if state is None and "NUL" in first_line:
+        return "a string holds a NUL character, which PostgreSQL cannot store"
+    if state == "22P05":  # untranslatable_character: \u0000 in JSON
+        return "a string holds a NUL character, which PostgreSQL cannot store"
+    if state == "22021":  # character_not_in_repertoire: an invalid byte sequence
+        return "a string is not valid in the database's encoding"
+    if state == "22P02" and "type json" in first_line:  # a lone surrogate escaped in JSON
+        return "a string is not valid Unicode (a lone surrogate)"
+    return None
+
+
+# --- statements ----------------------------------------------------------------------------------
+
+
 @cache
 def _call_statement(function: str) -> TextClause:
     """``SELECT item, outcome, detail FROM <function>(:items)``, built once per function."""
@@ -141,7 +193,81 @@ def _call_statement(function: str) -> TextClause:
     )
 
 
-# --- what a function is sent ------------------------------------------------------------------
+@cache
+def _lock_attempts_statement() -> TextualSelect:
+    return (
+        text(f"SELECT {LOCK_ATTEMPTS}(:attempt_ids, :skip_locked) AS found")
+        .bindparams(
+            bindparam("attempt_ids", type_=ARRAY(Text())),
+            bindparam("skip_locked", type_=Boolean()),
+        )
+        .columns(found=JSON)
+    )
+
+
+@cache
+def _claim_lock_statement() -> TextualSelect:
+    return (
+        text(f"SELECT {CLAIM_LOCK}(:session_id, :secret_hash, :tasks, :limit) AS found")
+        .bindparams(
+            bindparam("session_id", type_=Text()),
+            bindparam("secret_hash", type_=Text()),
+            bindparam("tasks", type_=ARRAY(Text())),
+            bindparam("limit", type_=Integer()),
+        )
+        .columns(found=JSON)
+    )
+
+
+def _leased_by_session() -> Any:
+    l = run_dispatch_leases.c  # noqa: E741
+    return (
+        l.holder_session_id == worker_sessions.c.id,
+        queries.POSTGRES.is_(l.status, LeaseStatus.LEASED),
+    )
+
+
+@cache
+def _session_statement() -> Select:
+    """The session, the Attempts its ``leased`` leases name (sorted) and the clock, in one
+    statement (``ix_run_dispatch_leases_held``); ``session_id`` bound at execution."""
+    l = run_dispatch_leases.c  # noqa: E741
+    held = (
+        select(func.array_agg(aggregate_order_by(l.attempt_id, l.attempt_id)))
+        .where(*_leased_by_session())
+        .scalar_subquery()
+    )
+    return select(
+        worker_sessions,
+        held.label("held"),
+        queries.store_now(0).label("observed_at"),
+    ).where(worker_sessions.c.id == bindparam("session_id", type_=Text()))
+
+
+@cache
+def _held_statement() -> Select:
+    l = run_dispatch_leases.c  # noqa: E741
+    return (
+        select(l.attempt_id)
+        .where(
+            l.holder_session_id == bindparam("session_id", type_=Text()),
+            queries.POSTGRES.is_(l.status, LeaseStatus.LEASED),
+        )
+        .order_by(l.attempt_id)
+    )
+
+
+def _open_sessions_of(worker_id: str) -> Select:
+    s = worker_sessions.c
+    open_statuses = sorted(status.value for status in OPEN_SESSION_STATUSES)
+    return (
+        select(worker_sessions)
+        .where(s.worker_id == worker_id, s.status.in_(open_statuses))
+        .order_by(s.id.collate("C"))
+    )
+
+
+# --- what a function is sent and answers -------------------------------------------------------
 
 
 def _json_value(column: Column[Any], value: Any) -> Any:
@@ -164,53 +290,48 @@ def _changed(table: Table, before: Mapping[str, Any], after: Mapping[str, Any]) 
     }
 
 
-@cache
-def _read_attempt(try_lock: bool) -> Select:
-    """Run, Attempt and the Attempt's lease (its generation's, or the Run's latest when the
-    Attempt has none), in one statement and without row locks. With ``try_lock`` it also tries
-    the Attempt's advisory lock (column ``locked``). Built once; ``attempt_id`` is bound at
-    execution."""
-    a = run_attempts.c
-    l = run_dispatch_leases.c  # noqa: E741
-    lease = (
-        select(run_dispatch_leases)
-        .where(
-            l.run_id == a.run_id,
-            or_(a.lease_generation.is_(None), l.generation == a.lease_generation),
-        )
-        .order_by(l.generation.desc())
-        .limit(1)
-        .lateral("lease")
-    )
-    key: BindParameter[str] = bindparam("attempt_id", type_=Text())
-    locked = func.pg_try_advisory_xact_lock(
-        literal_column(str(ADVISORY_LOCK_NAMESPACE), Integer()), func.hashtext(key)
-    )
-    return (
-        select(
-            *([locked.label("locked")] if try_lock else []),
-            *statements.run_columns(),
-            *statements.attempt_columns(),
-            *[column.label(f"{LEASE_COLUMNS}{column.key}") for column in lease.c],
-        )
-        .select_from(run_attempts.join(runs, runs.c.id == a.run_id).outerjoin(lease, true()))
-        .where(a.id == key)
+def _from_json(table: Table, found: Mapping[str, Any]) -> dict[str, Any]:
+    """A row as ``to_jsonb`` gives it, with the values :mod:`adapters.sql.rows` reads: times as
+    epoch milliseconds, doubles as floats."""
+    values: dict[str, Any] = {}
+    for column in table.columns:
+        value = found.get(column.name)
+        if value is not None:
+            if isinstance(column.type, EpochMillis):
+                value = datetime_to_millis(dt.datetime.fromisoformat(value))
+            elif isinstance(column.type, Double):
+                value = float(value)
+        values[column.name] = value
+    return values
+
+
+def _snapshot(found: Mapping[str, Any]) -> Snapshot:
+    lease = found.get("lease")
+    return Snapshot(
+        run=rows.run_from_row(_from_json(runs, found["run"])),
+        attempt=rows.attempt_from_row(_from_json(run_attempts, found["attempt"])),
+        lease=rows.lease_from_row(_from_json(run_dispatch_leases, lease)) if lease else None,
     )
 
 
-@cache
-def _advisory_lock() -> Select:
-    """The runtime store's advisory lock of an Attempt (``lock_key`` bound at execution)."""
-    return queries.advisory_lock("")
-
-
-def _open_sessions_of(worker_id: str) -> Select:
-    s = worker_sessions.c
-    return (
-        select(worker_sessions)
-        .where(s.worker_id == worker_id, s.status.in_([x.value for x in OPEN_SESSION_STATUSES]))
-        .order_by(s.id.collate("C"))
+def _gate(found: Mapping[str, Any]) -> DispatchGate:
+    changed_at = found.get("changed_at")
+    return DispatchGate(
+        open=bool(found["open"]),
+        reason=found.get("reason"),
+        changed_at_ms=(
+            datetime_to_millis(dt.datetime.fromisoformat(changed_at)) if changed_at else None
+        ),
     )
+
+
+def _event(event: RunEvent) -> dict[str, Any]:
+    return {
+        "type": event.type.value,
+        "attempt_id": event.attempt_id,
+        "at": millis_to_datetime(event.at_ms).isoformat(),
+        "data": dict(event.data),
+    }
 
 
 # --- unit of work ------------------------------------------------------------------------------
@@ -224,8 +345,12 @@ class PostgresIngressUnitOfWork:
         self._store = store
         self._connection: Connection | None = None
         self._sessions: dict[str, WorkerSession] = {}
+        self._held: dict[str, tuple[str, ...]] = {}
+        self._now_ms: int | None = None
         self._reports: dict[str, StopReport] = {}
         self._replaced: list[tuple[WorkerSession, WorkerSession]] = []
+        self._renewals: list[tuple[dict[str, Any], str]] = []
+        self._broken: str | None = None
         self.runs: RunRepository = IngressRunRepository(self)
         self.sessions: WorkerSessionRegistry = IngressSessionRegistry(self)
         self.evidence: EvidenceRepository = IngressEvidenceRepository(self)
@@ -246,8 +371,12 @@ class PostgresIngressUnitOfWork:
     ) -> None:
         connection, self._connection = self._connection, None
         self._sessions.clear()
+        self._held.clear()
+        self._now_ms = None
         self._reports.clear()
         self._replaced.clear()
+        self._renewals.clear()
+        self._broken = None
         if connection is None:
             return
         try:
@@ -262,9 +391,20 @@ class PostgresIngressUnitOfWork:
         return self._connection
 
     def now_ms(self) -> int:
-        return int(self.connection.execute(queries.now_statement(0)).scalar_one())
+        """The clock the last read of this transaction observed (each lock and the session read
+        observe it), else read now; after a write it is read again."""
+        if self._now_ms is None:
+            self._now_ms = int(self.execute(queries.now_statement(0)).scalar_one())
+        return self._now_ms
+
+    def observed(self, now_ms: Any) -> None:
+        self._now_ms = int(now_ms)
 
     def commit(self) -> None:
+        if self._broken is None:
+            self.flush_renewals()
+        if self._broken is not None:
+            raise ConcurrencyConflict(f"not committed: {self._broken}")
         if self._reports or self._replaced:
             raise RuntimeError(
                 "a stop report or a session replacement was held but never written with its "
@@ -273,12 +413,27 @@ class PostgresIngressUnitOfWork:
         self.connection.commit()
 
     def execute(self, statement: Any, parameters: Mapping[str, Any] | None = None) -> Any:
-        return self.connection.execute(statement, parameters)
+        """Run a statement in this transaction. Input PostgreSQL cannot store is an
+        :class:`~domain.errors.InvalidAdmission` (the transaction is then unusable)."""
+        try:
+            return self.connection.execute(statement, parameters)
+        except UnicodeEncodeError as error:
+            raise InvalidAdmission(_unstorable(error) or "bad input") from None
+        except DBAPIError as error:
+            reason = _unstorable(error.orig) if error.orig is not None else None
+            if reason is None:
+                raise
+            raise InvalidAdmission(reason) from None
 
-    # the acting sessions
+    # what the reads of this transaction saw
 
-    def saw_session(self, session: WorkerSession) -> None:
+    def saw_session(self, session: WorkerSession, held: Sequence[str] | None = None) -> None:
         self._sessions[session.id] = session
+        if held is not None:
+            self._held[session.id] = tuple(held)
+
+    def held_of(self, session_id: str) -> tuple[str, ...] | None:
+        return self._held.get(session_id)
 
     def acting_session(self, session_id: str) -> WorkerSession:
         session = self._sessions.get(session_id)
@@ -303,64 +458,129 @@ class PostgresIngressUnitOfWork:
         taken, self._replaced = self._replaced, []
         return taken
 
+    def hold_renewal(self, item: dict[str, Any], what: str) -> None:
+        self._renewals.append((item, what))
+
+    def flush_renewals(self) -> None:
+        if self._renewals:
+            renewals, self._renewals = self._renewals, []
+            self.call(RENEW, [item for item, _ in renewals], lambda i: renewals[i][1])
+
     # function calls
 
-    def call(self, function: str, item: Mapping[str, Any], what: str) -> None:
-        """One item through one function. ``conflict`` is a ConcurrencyConflict; ``refused``
-        means the function does not take this as a worker's transition."""
-        result = self.connection.execute(_call_statement(function), {"items": [dict(item)]}).one()
-        if result.outcome == "ok":
-            return
-        if result.outcome == "conflict":
-            raise ConcurrencyConflict(f"{what}: {result.detail}")
-        raise IngressNotPermitted(f"{what}: {result.detail}")
+    def call(
+        self, function: str, items: Sequence[Mapping[str, Any]], what: Callable[[int], str]
+    ) -> None:
+        """Items through one function, in calls of at most :data:`MAX_CALL_ITEMS`. ``conflict``
+        is a ConcurrencyConflict; ``refused`` means the function does not take the item as a
+        worker's transition. An item the function does not take changes nothing; when others
+        were written before it, the unit of work refuses to commit (all or nothing)."""
+        written = False
+        for start, chunk in _chunks(items):
+            self._now_ms = None
+            self._held.clear()
+            results = self.execute(_call_statement(function), {"items": [dict(i) for i in chunk]})
+            failed = None
+            for result in results.all():
+                if result.outcome == "ok":
+                    written = True
+                elif failed is None:
+                    failed = result
+            if failed is None:
+                continue
+            message = f"{what(start + int(failed.item) - 1)}: {failed.detail}"
+            if written:
+                self._broken = message
+            if failed.outcome == "conflict":
+                raise ConcurrencyConflict(message)
+            raise IngressNotPermitted(message)
 
 
 # --- repositories ------------------------------------------------------------------------------
 
 
-class IngressRunRepository(OneAtATime, SqlRunReads[PostgresIngressUnitOfWork]):
+class IngressRunRepository(SqlRunReads[PostgresIngressUnitOfWork]):
     queries = queries
 
     def add(self, change: Change) -> None:
         _not_permitted("admit runs")
 
+    def add_many(self, changes: Sequence[Change]) -> None:
+        _not_permitted("admit runs")
+
     def lock_attempt(self, attempt_id: str, *, skip_locked: bool = False) -> Snapshot | None:
         """The Attempt's advisory lock (as the runtime's store takes it), then its rows read
-        without row locks: the functions lock and re-check them before they write.
+        after it: the functions lock and re-check the rows before they write."""
+        return self._lock([attempt_id], skip_locked=skip_locked)[0]
 
-        One statement tries the lock and reads. When another transaction holds the lock, that
-        read may predate the holder's commit: then (unless ``skip_locked``) the lock is waited
-        for and the rows are read again. (A holder that commits between the statement's snapshot
-        and its try-lock leaves a stale read behind; the function's re-check refuses the write
-        that follows as a conflict.)"""
+    def lock_attempts(self, attempt_ids: Sequence[str]) -> list[Snapshot | None]:
+        """:meth:`lock_attempt` for each id in the order given, in one call."""
+        return self._lock(list(attempt_ids), skip_locked=False)
+
+    def _lock(self, attempt_ids: Sequence[str], *, skip_locked: bool) -> list[Snapshot | None]:
+        found: list[Snapshot | None] = []
+        for _, chunk in _chunks(attempt_ids):
+            parameters = {"attempt_ids": list(chunk), "skip_locked": skip_locked}
+            answer = self._uow.execute(_lock_attempts_statement(), parameters).scalar_one()
+            self._uow.observed(answer["observed_at"])
+            found.extend(
+                _snapshot(item) if item and "run" in item else None for item in answer["snapshots"]
+            )
+        return found
+
+    def lock_for_claim(
+        self, session_id: str, tasks: Sequence[str], limit_per_task: int
+    ) -> ClaimLock:
+        """One call of the claim's lock function, on behalf of the session read (and its secret
+        checked) in this unit of work."""
+        if isinstance(limit_per_task, bool) or not 1 <= limit_per_task <= MAX_CALL_ITEMS:
+            raise ValueError(f"limit_per_task must be within 1..{MAX_CALL_ITEMS}")
         uow = self._uow
-        parameters = {"attempt_id": attempt_id}
-        row = uow.execute(_read_attempt(True), parameters).mappings().first()
-        if row is None:
-            return None
-        if not row["locked"]:
-            if skip_locked:
-                return None
-            uow.execute(_advisory_lock(), {"lock_key": attempt_id})
-            row = uow.execute(_read_attempt(False), parameters).mappings().first()
-            if row is None:
-                return None
-        lease = None
-        if row[f"{LEASE_COLUMNS}run_id"] is not None:
-            lease = rows.lease_from_row(row, LEASE_COLUMNS)
-        return Snapshot(
-            run=rows.run_from_row(row, RUN_COLUMNS),
-            attempt=rows.attempt_from_row(row, ATTEMPT_COLUMNS),
-            lease=lease,
+        session = uow.acting_session(session_id)
+        parameters = {
+            "session_id": session.id,
+            "secret_hash": session.secret_hash,
+            "tasks": list(tasks),
+            "limit": limit_per_task,
+        }
+        answer = uow.execute(_claim_lock_statement(), parameters).scalar_one()
+        uow.observed(answer["observed_at"])
+        capacity = None
+        if answer["session"] is not None:
+            locked = rows.session_from_row(_from_json(worker_sessions, answer["session"]))
+            uow.saw_session(locked)
+            capacity = SessionCapacity(session=locked, in_flight=int(answer["in_flight"]))
+        return ClaimLock(
+            capacity=capacity,
+            gate=_gate(answer["gate"]),
+            candidates=tuple(_snapshot(found) for found in answer["candidates"]),
+            in_flight_by_task={
+                str(task): int(count) for task, count in answer["in_flight_by_task"].items()
+            },
+            observed_at_ms=int(answer["observed_at"]),
         )
 
     def lock_run(self, run_id: str) -> Snapshot | None:
         _not_permitted("lock runs (recovery and lost retry run on the runtime's own store)")
 
     def apply(self, before: Snapshot, change: Change) -> None:
+        self.apply_many([(before, change)])
+
+    def apply_many(self, writes: Sequence[tuple[Snapshot, Change]]) -> None:
+        """Every write as an item of one call (the held renewals first, as a call of their
+        own); all or nothing."""
+        uow = self._uow
+        uow.flush_renewals()
+        if not writes:
+            return
+        items = [self._item(before, change) for before, change in writes]
+        uow.call(APPLY, items, lambda i: f"attempt {items[i]['attempt_id']}")
+
+    def _item(self, before: Snapshot, change: Change) -> dict[str, Any]:
         if change.run.id != before.run.id:
             raise ValueError(f"change of run {change.run.id} applied to run {before.run.id}")
+        if change.event.type is EventType.ATTEMPT_STARTED:
+            return self._claim_item(before, change)
         attempt, lease = before.attempt, before.lease
         report = self._uow.take_report(attempt.id) if attempt is not None else None
         if attempt is None or lease is None:
@@ -371,13 +591,10 @@ class IngressRunRepository(OneAtATime, SqlRunReads[PostgresIngressUnitOfWork]):
             lease.run_id,
             lease.generation,
         ):
-            _not_permitted("grant leases")
+            _not_permitted("grant leases but by a claim")
         session = self._uow.acting_session(lease.holder_session_id)
         after_attempt = change.attempts[0] if change.attempts else attempt
         after_lease = change.lease if change.lease is not None else lease
-        run_before = rows.run_values(before.run)
-        attempt_before = rows.attempt_values(attempt)
-        lease_before = rows.lease_values(lease)
         item: dict[str, Any] = {
             "session_id": session.id,
             "secret_hash": session.secret_hash,
@@ -386,26 +603,25 @@ class IngressRunRepository(OneAtATime, SqlRunReads[PostgresIngressUnitOfWork]):
             "run": {
                 "status": before.run.status.value,
                 "attempt_count": before.run.attempt_count,
-                "to": _changed(runs, run_before, rows.run_values(change.run)),
+                "to": _changed(runs, rows.run_values(before.run), rows.run_values(change.run)),
             },
             "attempt": {
                 "status": attempt.status.value,
                 "lease_version": attempt.lease_version,
-                "to": _changed(run_attempts, attempt_before, rows.attempt_values(after_attempt)),
+                "to": _changed(
+                    run_attempts, rows.attempt_values(attempt), rows.attempt_values(after_attempt)
+                ),
             },
             "lease": {
                 "generation": lease.generation,
                 "version": lease.version,
                 "status": lease.status.value,
                 "token_hash": lease.token_hash,
-                "to": _changed(run_dispatch_leases, lease_before, rows.lease_values(after_lease)),
+                "to": _changed(
+                    run_dispatch_leases, rows.lease_values(lease), rows.lease_values(after_lease)
+                ),
             },
-            "event": {
-                "type": change.event.type.value,
-                "attempt_id": change.event.attempt_id,
-                "at": millis_to_datetime(change.event.at_ms).isoformat(),
-                "data": dict(change.event.data),
-            },
+            "event": _event(change.event),
         }
         if report is not None:
             item["report"] = {
@@ -414,9 +630,42 @@ class IngressRunRepository(OneAtATime, SqlRunReads[PostgresIngressUnitOfWork]):
                 "reported_at": millis_to_datetime(report.reported_at_ms).isoformat(),
                 "detail": report.detail,
             }
-        self._uow.call(APPLY, item, f"attempt {attempt.id}")
+        return item
+
+    def _claim_item(self, before: Snapshot, change: Change) -> dict[str, Any]:
+        """A claim: the pristine Attempt started under a new lease of the claiming session."""
+        attempt, lease = before.attempt, change.lease
+        if attempt is None or lease is None or [a.id for a in change.attempts] != [attempt.id]:
+            _not_permitted("create attempts")
+        if before.lease is not None and before.lease.generation >= lease.generation:
+            _not_permitted("grant a lease of a generation already granted")
+        session = self._uow.acting_session(lease.holder_session_id)
+        return {
+            "session_id": session.id,
+            "secret_hash": session.secret_hash,
+            "run_id": before.run.id,
+            "attempt_id": attempt.id,
+            "run": {
+                "status": before.run.status.value,
+                "attempt_count": before.run.attempt_count,
+                "to": _changed(runs, rows.run_values(before.run), rows.run_values(change.run)),
+            },
+            "attempt": {
+                "status": attempt.status.value,
+                "lease_version": attempt.lease_version,
+                "to": _changed(
+                    run_attempts,
+                    rows.attempt_values(attempt),
+                    rows.attempt_values(change.attempts[0]),
+                ),
+            },
+            "new_lease": _row(run_dispatch_leases, rows.lease_values(lease)),
+            "event": _event(change.event),
+        }
 
     def renew_lease(self, before: DispatchLease, after: DispatchLease) -> None:
+        """Held, and sent with the other renewals of the batch in one call (at the batch's
+        ``apply_many`` or at commit)."""
         if (after.run_id, after.generation) != (before.run_id, before.generation):
             raise ValueError("a renewal must name the same lease before and after")
         session = self._uow.acting_session(before.holder_session_id)
@@ -430,7 +679,7 @@ class IngressRunRepository(OneAtATime, SqlRunReads[PostgresIngressUnitOfWork]):
             "token_hash": before.token_hash,
             "expires_at": millis_to_datetime(after.expires_at_ms).isoformat(),
         }
-        self._uow.call(RENEW, item, f"lease {before.run_id}/{before.generation}")
+        self._uow.hold_renewal(item, f"lease {before.run_id}/{before.generation}")
 
     def events_of(self, run_id: str) -> Sequence[StoredEvent]:
         _not_permitted("read run events")
@@ -440,12 +689,25 @@ class IngressSessionRegistry(SqlSessionReads[PostgresIngressUnitOfWork]):
     queries = queries
 
     def get(self, session_id: str) -> WorkerSession | None:
-        """The session, remembered as a session this unit of work may act for once the caller
-        has checked its secret."""
-        session = super().get(session_id)
-        if session is not None:
-            self._uow.saw_session(session)
+        """The session, with the Attempts it holds and the clock, in one statement; remembered
+        as a session this unit of work may act for once the caller has checked its secret."""
+        found = self._uow.execute(_session_statement(), {"session_id": session_id})
+        row = found.mappings().first()
+        if row is None:
+            return None
+        session = rows.session_from_row(row)
+        self._uow.saw_session(session, held=sorted(row["held"] or ()))
+        self._uow.observed(row["observed_at"])
         return session
+
+    def held_by(self, session_id: str) -> Sequence[str]:
+        """As read with the session, when it was read in this transaction and nothing was
+        written since."""
+        held = self._uow.held_of(session_id)
+        if held is not None:
+            return held
+        found = self._uow.execute(_held_statement(), {"session_id": session_id}).scalars()
+        return tuple(sorted(str(attempt_id) for attempt_id in found))
 
     def open_sessions_of(self, worker_id: str) -> Sequence[WorkerSession]:
         """Read without row locks; the registration function locks them and re-checks."""
@@ -467,7 +729,7 @@ class IngressSessionRegistry(SqlSessionReads[PostgresIngressUnitOfWork]):
                 for before, after in replaced
             ],
         }
-        self._uow.call(REGISTER_SESSIONS, item, f"session {session.id}")
+        self._uow.call(REGISTER_SESSIONS, [item], lambda _: f"session {session.id}")
 
     def update(self, before: WorkerSession, after: WorkerSession) -> None:
         if after.id != before.id:
@@ -484,7 +746,7 @@ class IngressSessionRegistry(SqlSessionReads[PostgresIngressUnitOfWork]):
                 worker_sessions, rows.session_values(before), rows.session_values(after)
             ),
         }
-        self._uow.call(UPDATE_SESSIONS, item, f"session {before.id}")
+        self._uow.call(UPDATE_SESSIONS, [item], lambda _: f"session {before.id}")
         self._uow.saw_session(after)
 
 
@@ -507,7 +769,8 @@ class IngressEvidenceRepository:
 
 class PostgresIngressStore:
     """The worker ingress's view of the Cluster store: what ``WorkerCommands`` needs, through
-    the ingress role. The candidate sources of the scheduler are not available."""
+    the ingress role, and the dispatch gate. The scheduler's candidate sources are not
+    available."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
@@ -515,8 +778,8 @@ class PostgresIngressStore:
     @classmethod
     def from_url(cls, url: str, *, pool_size: int = 5) -> PostgresIngressStore:
         """A store on ``url``, which names the ingress role (``ql3 db grant-ingress``); a bare
-        ``postgresql://`` gets the psycopg driver. The schema must be at ``0002_ingress`` or
-        later (``ql3 db upgrade``, run as the schema's owner)."""
+        ``postgresql://`` gets the psycopg driver. The schema must be at ``0005_ingress_claim``
+        or later (``ql3 db upgrade``, run as the schema's owner)."""
         # Parameters are hidden from errors: the functions' parameters carry secret and
         # token hashes.
         engine = pooled_engine(_driver_url(url), pool_size=pool_size)
@@ -527,6 +790,13 @@ class PostgresIngressStore:
 
     def close(self) -> None:
         self.engine.dispose()
+
+    def dispatch_gate(self) -> DispatchGate:
+        """The gate as committed: one read, outside any transaction."""
+        with self.engine.connect() as connection:
+            reader = connection.execution_options(isolation_level="AUTOCOMMIT")
+            row = reader.execute(statements.get_gate()).mappings().first()
+        return statements.gate_from_row(row)
 
     # The scheduler's candidate sources run on the runtime's own store.
 
@@ -541,12 +811,6 @@ class PostgresIngressStore:
 
     def orphaned_runs(self, limit: int) -> Page[RunCandidate]:
         _not_permitted("look for orphaned runs")
-
-    def queued_attempts(self, limit_per_task: int, tasks: Sequence[str]) -> Page[QueuedAttempt]:
-        _not_permitted("dispatch queued attempts")
-
-    def available_sessions(self, max_silence_ms: int) -> Sequence[SessionCapacity]:
-        _not_permitted("dispatch queued attempts")
 
 
 if TYPE_CHECKING:

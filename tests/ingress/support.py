@@ -1,11 +1,12 @@
 """Helpers of the ingress tests: throw-away roles, the services wired over the runtime's store
-(admission, dispatch, recovery) and over the ingress role (the worker commands), a worker as
-the tests drive it, and a dump of every row to show that a refused call changed nothing."""
+(admission, recovery) and over the ingress role (the worker commands), a worker as the tests
+drive it, the dispatch gate set by hand, and a dump of every row to show that a refused call
+changed nothing."""
 
 from __future__ import annotations
 
 import secrets
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,15 +18,23 @@ from adapters.postgres.ingress import PostgresIngressStore
 from adapters.postgres.store import PostgresStore
 from adapters.sql.schema import ALL_TABLES
 from application.admission import Admission
-from application.dispatch import TaskAttemptAdmission
 from application.recovery import RuntimeRecovery
-from application.worker_commands import Offer, SessionGrant, WorkerCommands
+from application.worker_commands import (
+    Abandonment,
+    BatchAnswer,
+    ClaimAnswer,
+    Completion,
+    ItemResult,
+    Release,
+    SessionGrant,
+    WorkerCommands,
+)
 from domain.fence import LeaseFence
+from domain.model import JsonValue
 from tests.application.support import CountingIdentities
 from tests.postgres_server import connect
 
 LEASE_TTL_MS = 30_000
-SILENCE_MS = 60_000
 
 
 def unique_role() -> str:
@@ -72,6 +81,20 @@ def expire_lease(admin: PostgresStore, run_id: str) -> None:
         )
 
 
+def set_gate(admin: PostgresStore, *, open: bool, reason: str | None = None) -> None:
+    """The dispatch gate's one row, written by hand (as the cluster coordinator would)."""
+    with admin.engine.begin() as connection:
+        connection.execute(
+            text(
+                "INSERT INTO dispatch_gate (id, open, reason, changed_at)"
+                " VALUES (1, :open, :reason, statement_timestamp())"
+                " ON CONFLICT (id) DO UPDATE SET open = excluded.open,"
+                " reason = excluded.reason, changed_at = excluded.changed_at"
+            ),
+            {"open": open, "reason": reason},
+        )
+
+
 @dataclass
 class Env:
     """The runtime's side on its own store, the worker commands on the ingress's."""
@@ -80,7 +103,6 @@ class Env:
     ingress: PostgresIngressStore
     identities: CountingIdentities
     admission: Admission
-    dispatch: TaskAttemptAdmission
     recovery: RuntimeRecovery
     workers: WorkerCommands
 
@@ -95,12 +117,14 @@ def build_env(admin: PostgresStore, ingress: PostgresIngressStore) -> Env:
         ingress=ingress,
         identities=identities,
         admission=Admission(admin.unit_of_work, identities),
-        dispatch=TaskAttemptAdmission(
-            admin.unit_of_work, admin, lease_ttl_ms=LEASE_TTL_MS, max_silence_ms=SILENCE_MS
-        ),
         recovery=RuntimeRecovery(admin.unit_of_work, admin),
         workers=WorkerCommands(ingress.unit_of_work, identities, lease_ttl_ms=LEASE_TTL_MS),
     )
+
+
+def only(answer: BatchAnswer) -> ItemResult:
+    (result,) = answer.results
+    return result
 
 
 @dataclass
@@ -119,31 +143,49 @@ class Worker:
     def secret(self) -> str:
         return self.grant.secret
 
-    def offers(self) -> list[Offer]:
-        return self.env.workers.heartbeat(self.session_id, self.secret)
-
-    def accept(self, offer: Offer, token: str | None = None) -> LeaseFence:
-        token = token or f"token-{offer.attempt_id}-{offer.generation}".ljust(24, "t")
-        self.env.workers.accept(
-            self.session_id, self.secret, offer.attempt_id, offer.generation, offer.version, token
+    def claim(
+        self,
+        limit: int = 1,
+        *,
+        completions: Sequence[Completion] = (),
+        held: Sequence[str] | None = None,
+    ) -> ClaimAnswer:
+        """One claim call; the fences of its grants are kept."""
+        answer = self.env.workers.claim(
+            self.session_id, self.secret, limit=limit, completions=completions, held=held
         )
-        fence = LeaseFence(
-            attempt_id=offer.attempt_id,
-            generation=offer.generation,
-            version=offer.version,
-            token=token,
-        )
-        self.fences[offer.attempt_id] = fence
-        return fence
+        for grant in answer.grants:
+            self.fences[grant.attempt_id] = grant.fence
+        return answer
 
-    def take_all(self) -> list[LeaseFence]:
-        return [self.accept(offer) for offer in self.offers()]
+    def take_all(self, limit: int = 16) -> list[LeaseFence]:
+        """Claim (and so start) as much as the session may take."""
+        return [grant.fence for grant in self.claim(limit).grants]
 
-    def start(self, fence: LeaseFence, *, running: bool = True) -> None:
-        self.env.workers.activate(self.session_id, self.secret, fence)
-        if running:
-            self.env.workers.mark_running(self.session_id, self.secret, fence)
+    def complete(
+        self,
+        fence: LeaseFence,
+        *,
+        succeeded: bool = True,
+        output: JsonValue = None,
+        error: str | None = None,
+    ) -> ItemResult:
+        done = Completion(fence=fence, succeeded=succeeded, output=output, error=error)
+        return only(self.env.workers.complete_many(self.session_id, self.secret, [done]))
+
+    def renew(self, fence: LeaseFence) -> ItemResult:
+        return only(self.env.workers.renew_many(self.session_id, self.secret, [fence]))
+
+    def abandon(self, fence: LeaseFence, detail: str = "") -> ItemResult:
+        stopped = Abandonment(fence=fence, detail=detail)
+        return only(self.env.workers.abandon_many(self.session_id, self.secret, [stopped]))
+
+    def release(self, fence: LeaseFence, cause: str = "not_started") -> ItemResult:
+        back = Release(fence=fence, cause=cause)
+        return only(self.env.workers.release_many(self.session_id, self.secret, [back]))
 
 
-def register(env: Env, worker_id: str = "w1", tasks: Iterable[str] = ("t",)) -> Worker:
-    return Worker(env=env, grant=env.workers.register(worker_id, 4, list(tasks)))
+def register(
+    env: Env, worker_id: str = "w1", tasks: Iterable[str] = ("t",), capacity: int = 4
+) -> Worker:
+    return Worker(env=env, grant=env.workers.register(worker_id, capacity, list(tasks)))

@@ -1,15 +1,52 @@
-"""Migration ``0002_ingress`` installs the ingress functions and its downgrade removes them."""
+"""Migrations ``0002_ingress`` and ``0005_ingress_claim`` install the ingress functions and their
+downgrades put back what was there before; the constants frozen in them are the application's
+(advisory lock namespace, notification channel, status sets) and every transition the functions
+take is an edge of the domain's state diagrams."""
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+
 from alembic import command
-from sqlalchemy import create_engine, text
+from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.pool import NullPool
 
-from adapters.postgres.migrate import alembic_config, current_revision, upgrade
+from adapters.postgres import queries
+from adapters.postgres.migrate import MIGRATIONS, alembic_config, current_revision, upgrade
+from domain.events import EventType
+from domain.model import AttemptStatus, RunStatus
+from domain.states import (
+    ATTEMPT_EDGES,
+    CLAIMABLE_RUN_STATUSES,
+    NON_TERMINAL_ATTEMPT_STATUSES,
+    RECOVERABLE_RUN_STATUSES,
+    RELEASABLE_ATTEMPT_STATUSES,
+    RUN_EDGES,
+    STARTED_ATTEMPT_STATUSES,
+    values,
+)
 from tests.postgres_server import PostgresServer, create_database, drop_database, random_name
 
 FUNCTIONS = "SELECT count(*) FROM pg_proc WHERE proname LIKE 'ql3\\_ingress\\_%'"
+APPLY_ONE = "SELECT prosrc FROM pg_proc WHERE proname = 'ql3_ingress_apply_one'"
+
+
+def _revision(name: str) -> ModuleType:
+    path = MIGRATIONS / "versions" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"ql3_test_{name}", Path(path))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _downgrade(engine: Engine, revision: str) -> None:
+    with engine.begin() as connection:
+        config = alembic_config()
+        config.attributes["connection"] = connection
+        command.downgrade(config, revision)
 
 
 def test_upgrade_and_downgrade_of_the_ingress_functions(pg_server: PostgresServer) -> None:
@@ -17,14 +54,22 @@ def test_upgrade_and_downgrade_of_the_ingress_functions(pg_server: PostgresServe
     url = create_database(pg_server, name)
     engine = create_engine(url, poolclass=NullPool)
     try:
-        upgrade(url, "0002_ingress")
-        assert current_revision(url) == "0002_ingress"
+        upgrade(url, "0005_ingress_claim")
+        assert current_revision(url) == "0005_ingress_claim"
+        with engine.connect() as connection:
+            assert connection.execute(text(FUNCTIONS)).scalar_one() == 18
+            claim_source = connection.execute(text(APPLY_ONE)).scalar_one()
+        assert "attempt_started" in claim_source and "attempt_accepted" not in claim_source
+        _downgrade(engine, "0004_dispatch_gate")
+        assert current_revision(url) == "0004_dispatch_gate"
         with engine.connect() as connection:
             assert connection.execute(text(FUNCTIONS)).scalar_one() == 15
-        with engine.begin() as connection:
-            config = alembic_config()
-            config.attributes["connection"] = connection
-            command.downgrade(config, "0001_initial")
+            source = connection.execute(text(APPLY_ONE)).scalar_one()
+        assert "attempt_accepted" in source and "attempt_started" not in source
+        upgrade(url, "0005_ingress_claim")  # and up again
+        with engine.connect() as connection:
+            assert connection.execute(text(APPLY_ONE)).scalar_one() == claim_source
+        _downgrade(engine, "0001_initial")
         assert current_revision(url) == "0001_initial"
         with engine.connect() as connection:
             assert connection.execute(text(FUNCTIONS)).scalar_one() == 0
@@ -32,3 +77,42 @@ def test_upgrade_and_downgrade_of_the_ingress_functions(pg_server: PostgresServe
     finally:
         engine.dispose()
         drop_database(pg_server, name)
+
+
+def test_frozen_constants_are_the_applications() -> None:
+    r0002 = _revision("r0002_ingress_functions")
+    r0005 = _revision("r0005_ingress_claim")
+    for revision in (r0002, r0005):
+        assert revision.ADVISORY_LOCK_NAMESPACE == queries.ADVISORY_LOCK_NAMESPACE
+    assert r0005.DISPATCH_CHANNEL == queries.DISPATCH_CHANNEL
+    assert values(CLAIMABLE_RUN_STATUSES) == r0005.CLAIMABLE_RUN_STATUSES
+    assert values(RECOVERABLE_RUN_STATUSES) == r0005.LOSABLE_RUN_STATUSES
+    assert values(NON_TERMINAL_ATTEMPT_STATUSES) == r0005.NON_TERMINAL_ATTEMPT_STATUSES
+    assert values(RELEASABLE_ATTEMPT_STATUSES) == r0005.RELEASABLE_ATTEMPT_STATUSES
+    assert values(STARTED_ATTEMPT_STATUSES) == r0005.STARTED_ATTEMPT_STATUSES
+    # A hand-back takes a Run back to queued from where a recoverable Run may go there.
+    handed_back = frozenset(
+        status for status in RECOVERABLE_RUN_STATUSES if RunStatus.QUEUED in RUN_EDGES[status]
+    )
+    assert values(handed_back) == r0005.HANDED_BACK_RUN_STATUSES
+    assert {EventType(kind) for kind in r0005.WORKER_EVENTS} == {
+        EventType.ATTEMPT_STARTED,
+        EventType.ATTEMPT_RELEASED,
+        EventType.ATTEMPT_SUCCEEDED,
+        EventType.ATTEMPT_FAILED,
+        EventType.ATTEMPT_LOST,
+        EventType.EVIDENCE_RECORDED,
+    }
+
+
+def test_every_transition_the_functions_take_is_an_edge_of_the_domain() -> None:
+    r0005 = _revision("r0005_ingress_claim")
+    for kind, (runs_from, run_to, attempts_from, attempt_to) in r0005.WORKER_TRANSITIONS.items():
+        for status in runs_from:
+            assert RunStatus(run_to) in RUN_EDGES[RunStatus(status)], (kind, status, run_to)
+        for status in attempts_from:
+            assert AttemptStatus(attempt_to) in ATTEMPT_EDGES[AttemptStatus(status)], (
+                kind,
+                status,
+                attempt_to,
+            )

@@ -31,13 +31,20 @@ from tests.postgres_server import (
     random_name,
 )
 
-INGRESS_TABLES = {"runs", "run_attempts", "run_dispatch_leases", "worker_sessions"}
-INGRESS_FUNCTIONS = {
+INGRESS_TABLES = {"runs", "run_attempts", "run_dispatch_leases", "worker_sessions", "dispatch_gate"}
+# The entry points that write or lock rows run as the schema's owner; the batch read of Attempts
+# under their advisory locks runs as the caller (it can do nothing the role cannot).
+DEFINER_FUNCTIONS = {
     "ql3_ingress_register_sessions(jsonb)",
     "ql3_ingress_update_sessions(jsonb)",
     "ql3_ingress_apply(jsonb)",
     "ql3_ingress_renew(jsonb)",
+    "ql3_ingress_claim_lock(text,text,text[],integer)",
 }
+INVOKER_FUNCTIONS = {"ql3_ingress_lock_attempts(text[],boolean)"}
+INGRESS_FUNCTIONS = DEFINER_FUNCTIONS | INVOKER_FUNCTIONS
+INGRESS_HELPERS = 12  # not executable but by their owner
+
 TABLE_PRIVILEGES = ("SELECT", "INSERT", "UPDATE", "DELETE", "TRUNCATE", "REFERENCES", "TRIGGER")
 COLUMN_PRIVILEGES = ("SELECT", "INSERT", "UPDATE", "REFERENCES")
 WRITTEN_ONLY_THROUGH_FUNCTIONS = (
@@ -45,6 +52,7 @@ WRITTEN_ONLY_THROUGH_FUNCTIONS = (
     "run_attempts",
     "run_dispatch_leases",
     "worker_sessions",
+    "dispatch_gate",
     "run_events",
     "attempt_stop_reports",
 )
@@ -207,7 +215,7 @@ def test_effective_privilege_matrix(admin_engine: Engine, ingress_role: str) -> 
     assert "secret_hash" in names and "token_hash" in names  # read to authenticate in Python
     assert sequence_matrix == set()
     assert executable == INGRESS_FUNCTIONS
-    assert len(ingress_helpers - INGRESS_FUNCTIONS) == 11  # the helpers exist, none executable
+    assert len(ingress_helpers - INGRESS_FUNCTIONS) == INGRESS_HELPERS  # none executable
     assert tuple(schema) == (True, False)
     # TEMPORARY is PostgreSQL's default for PUBLIC, not a grant of ours.
     assert tuple(database) == (True, False, True)
@@ -237,9 +245,10 @@ def test_entry_points_are_security_definer_with_a_pinned_search_path(
                 " FROM pg_proc p WHERE p.proname LIKE 'ql3\\_ingress\\_%'"
             )
         ).all()
-    assert len(found) == 15
+    assert len(found) == len(INGRESS_FUNCTIONS) + INGRESS_HELPERS
+    assert {signature for signature, *_ in found} >= INGRESS_FUNCTIONS
     for signature, definer, config, owned_by_schema_owner, public_may_execute in found:
-        assert definer is (signature in INGRESS_FUNCTIONS), signature
+        assert definer is (signature in DEFINER_FUNCTIONS), signature
         assert config == ["search_path=pg_catalog, public, pg_temp"], signature
         assert owned_by_schema_owner, signature
         assert not public_may_execute, signature
@@ -276,7 +285,9 @@ def test_direct_writes_are_refused(
         "SELECT id FROM runs FOR UPDATE",
         "SELECT run_id FROM run_dispatch_leases FOR SHARE",
         "CREATE TABLE public.stash (x int)",
+        "SELECT * FROM dispatch_gate FOR UPDATE",
         "SELECT ql3_ingress_apply_one('{}'::jsonb)",
+        "SELECT ql3_ingress_claim_one('{}'::jsonb, NULL::runs, NULL::run_attempts)",
         "SELECT ql3_ingress_refuse('x')",
         "SELECT nextval(pg_get_serial_sequence('run_events', 'id'))",
     ],
@@ -314,6 +325,11 @@ def test_granting_again_repairs_a_role_that_drifted(admin_engine: Engine, spare_
             "GRANT UPDATE (status) ON run_attempts TO {r}",
             "GRANT SELECT ON run_events TO {r}",
             "GRANT EXECUTE ON FUNCTION ql3_ingress_apply_one(jsonb) TO {r}",
+            "GRANT EXECUTE ON FUNCTION ql3_ingress_claim_one(jsonb, runs, run_attempts) TO {r}",
+            "GRANT UPDATE (open) ON dispatch_gate TO {r}",
+            "REVOKE SELECT ON dispatch_gate FROM {r}",
+            "REVOKE EXECUTE ON FUNCTION ql3_ingress_claim_lock(text, text, text[], integer)"
+            " FROM {r}",
             "GRANT CREATE ON SCHEMA public TO {r}",
             "GRANT pg_read_all_data TO {r}",
             "ALTER ROLE {r} INHERIT CREATEDB NOLOGIN",
