@@ -3,11 +3,18 @@
 Several nodes may share one database: every cycle of every node takes the same locks, so each
 candidate is resolved by exactly one of them. The node runs startup recovery once, starts its
 one scheduler lifecycle (the only timer), and serves the ingress with uvicorn until SIGTERM or
-SIGINT; then it stops taking requests, waits for the running cycle and closes its stores.
+SIGINT; then it releases its parked claims, stops taking requests, waits for the running cycle
+and closes its stores.
 
 The ingress reaches the store only through its own :class:`WorkerCommands`, built on its own
 store (``ingress_store``): the least-privilege ingress store on ``ingress_database_url`` when
-given, else a second small pool on the node's database."""
+given, else a second small pool on the node's database.
+
+Parked claims (ADR 0007) wait on the node's :class:`~adapters.http.wake.ClaimSignal`. On
+PostgreSQL the node keeps one LISTEN connection on the runtime database
+(:class:`~adapters.postgres.listen.DispatchListener`) that wakes them on every ``NOTIFY
+ql3_dispatch``; while that connection is down, and always on a store without one (the memory
+store of the tests), the end of every scheduler cycle wakes them instead."""
 
 from __future__ import annotations
 
@@ -18,17 +25,26 @@ import socket
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import uvicorn
 from dependency_injector import containers, providers
 from fastapi import FastAPI
 
-from adapters.http import DEFAULT_MAX_BODY_BYTES, create_app
+from adapters.http import (
+    DEFAULT_MAX_BODY_BYTES,
+    ClaimSignal,
+    create_app,
+    default_heartbeat_interval_ms,
+)
 from application.identities import RandomIdentities
-from application.scheduler import ClusterSchedulerLifecycle, CycleSummary
+from application.scheduler import ClusterSchedulerLifecycle, CycleListener, CycleSummary
 from application.worker_commands import WorkerCommands
 from bootstrap.cluster import CLUSTER_DEFAULTS, ClusterContainer, open_postgres_store
 from bootstrap.core import seconds_to_ms
+
+if TYPE_CHECKING:
+    from adapters.postgres.listen import DispatchListener
 
 log = logging.getLogger("ql3.node")
 
@@ -47,9 +63,7 @@ NOTEWORTHY = {
 }
 
 
-def open_ingress_store(
-    database_url: str, ingress_database_url: str | None, pool_size: int
-) -> Any:
+def open_ingress_store(database_url: str, ingress_database_url: str | None, pool_size: int) -> Any:
     """The ingress's store, with its own engine and pool: on ``ingress_database_url`` (the
     least-privilege ingress role, see ``ql3 db grant-ingress``) when given, else a second pool
     on the node's own database URL."""
@@ -60,9 +74,33 @@ def open_ingress_store(
     return open_postgres_store(database_url, pool_size)
 
 
-def heartbeat_interval_ms(lease_ttl_s: float, session_silence_s: float) -> int:
-    """A third of the shorter of the lease TTL and the session silence window."""
-    return max(50, min(seconds_to_ms(lease_ttl_s), seconds_to_ms(session_silence_s)) // 3)
+def heartbeat_interval_ms(lease_ttl_s: float) -> int:
+    """How often a worker renews and heartbeats: a third of the lease TTL."""
+    return default_heartbeat_interval_ms(seconds_to_ms(lease_ttl_s))
+
+
+def open_dispatch_listener(
+    database_url: str | None, claims: ClaimSignal
+) -> DispatchListener | None:
+    """The node's LISTEN connection on the runtime database, waking ``claims``; None without
+    a PostgreSQL database URL (a node built on a given store)."""
+    if not database_url or not database_url.startswith("postgresql"):
+        return None
+    from adapters.postgres.listen import DispatchListener
+
+    return DispatchListener(database_url, claims.wake)
+
+
+def end_of_cycle(claims: ClaimSignal, listener: DispatchListener | None) -> CycleListener:
+    """What the node does after each scheduler cycle: log it, and wake the parked claims
+    unless the LISTEN connection is up (then NOTIFY wakes them as soon as work is queued)."""
+
+    def on_cycle(summary: CycleSummary) -> None:
+        log_cycle(summary)
+        if listener is None or not listener.connected:
+            claims.wake()
+
+    return on_cycle
 
 
 def log_cycle(summary: CycleSummary) -> None:
@@ -85,11 +123,15 @@ class NodeContainer(containers.DeclarativeContainer):
     config = providers.Configuration()
     cluster = providers.Container(ClusterContainer, config=config)
 
+    claim_signal = providers.Singleton(ClaimSignal)
+    dispatch_listener = providers.Singleton(
+        open_dispatch_listener, config.database_url, claim_signal
+    )
     lifecycle = providers.Singleton(
         ClusterSchedulerLifecycle,
         coordinator=cluster.coordinator,
         cadence_s=config.cadence_s,
-        on_cycle=providers.Object(log_cycle),
+        on_cycle=providers.Callable(end_of_cycle, claim_signal, dispatch_listener),
     )
     ingress_store = providers.Singleton(
         open_ingress_store,
@@ -103,14 +145,13 @@ class NodeContainer(containers.DeclarativeContainer):
         identities=providers.Singleton(RandomIdentities),
         lease_ttl_ms=providers.Callable(seconds_to_ms, config.lease_ttl_s),
     )
-    heartbeat_interval_ms = providers.Callable(
-        heartbeat_interval_ms, config.lease_ttl_s, config.session_silence_s
-    )
+    heartbeat_interval_ms = providers.Callable(heartbeat_interval_ms, config.lease_ttl_s)
 
 
 def build(store: Any | None = None, **settings: Any) -> NodeContainer:
     """A node container. ``database_url`` is required unless a ``store`` is given (tests): then
-    the scheduler and the ingress share it."""
+    the scheduler and the ingress share it, and the node listens for dispatch wake-ups only
+    when a PostgreSQL ``database_url`` is given too."""
     container = NodeContainer()
     container.config.from_dict({**NODE_DEFAULTS, **settings})
     if store is not None:
@@ -125,9 +166,12 @@ def create_node_app(
     on_ready: Callable[[], None] | None = None,
     run_startup_recovery: bool = True,
 ) -> FastAPI:
-    """The ingress app whose lifespan is the node's: startup recovery, then the scheduler
-    lifecycle; on shutdown the lifecycle stops (waiting for its cycle) and the stores close."""
+    """The ingress app whose lifespan is the node's: startup recovery, then the dispatch
+    listener and the scheduler lifecycle; on shutdown the parked claims answer, the listener
+    and the lifecycle stop (waiting for its cycle) and the stores close."""
     lifecycle = container.lifecycle()
+    claims = container.claim_signal()
+    listener = container.dispatch_listener()
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -137,23 +181,42 @@ def create_node_app(
                 "startup recovery: %s",
                 " ".join(f"{k}={v}" for k, v in report.counts().items()),
             )
+        if listener is not None:
+            listener.start()
         lifecycle.start()
         if on_ready is not None:
             on_ready()
         try:
             yield
         finally:
+            claims.close()
+            if listener is not None:
+                await asyncio.to_thread(listener.stop, STOP_TIMEOUT_S)
             await asyncio.to_thread(lifecycle.stop, STOP_TIMEOUT_S)
             close_stores(container)
 
     return create_app(
         container.ingress_commands(),
+        signal=claims,
         max_body_bytes=container.config.max_body_bytes(),
         registration_token=container.config.registration_token(),
         heartbeat_interval_ms=container.heartbeat_interval_ms(),
-        on_capacity_freed=lifecycle.wake,
+        on_attempts_ended=lifecycle.wake,
         lifespan=lifespan,
     )
+
+
+class NodeServer(uvicorn.Server):
+    """uvicorn that releases the parked claims as soon as its shutdown begins: it waits for
+    open requests before it ends the app's lifespan, and a parked claim may wait 30 s."""
+
+    def __init__(self, config: uvicorn.Config, claims: ClaimSignal) -> None:
+        super().__init__(config)
+        self._claims = claims
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        self._claims.close()
+        await super().shutdown(sockets=sockets)
 
 
 def close_stores(container: NodeContainer) -> None:
@@ -190,11 +253,7 @@ def serve(
     run_startup_recovery: bool = True,
 ) -> bool:
     """Serve until SIGTERM/SIGINT. Returns False when the node could not start."""
-    import uvicorn
-
-    app = create_node_app(
-        container, on_ready=on_ready, run_startup_recovery=run_startup_recovery
-    )
+    app = create_node_app(container, on_ready=on_ready, run_startup_recovery=run_startup_recovery)
     config = uvicorn.Config(
         app,
         lifespan="on",
@@ -203,7 +262,7 @@ def serve(
         server_header=False,
         timeout_graceful_shutdown=STOP_TIMEOUT_S,
     )
-    server = uvicorn.Server(config)
+    server = NodeServer(config, container.claim_signal())
 
     def stop(_signum: int, _frame: FrameType | None) -> None:
         server.should_exit = True

@@ -1,6 +1,15 @@
 """The worker ingress over HTTP (FastAPI on uvicorn)."""
 
-from adapters.http.app import create_app
+from adapters.http.app import create_app, default_heartbeat_interval_ms
 from adapters.http.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
+from adapters.http.wake import ClaimSignal, ClaimTicket, Woken
 
-__all__ = ["DEFAULT_MAX_BODY_BYTES", "BodySizeLimit", "create_app"]
+__all__ = [
+    "DEFAULT_MAX_BODY_BYTES",
+    "BodySizeLimit",
+    "ClaimSignal",
+    "ClaimTicket",
+    "Woken",
+    "create_app",
+    "default_heartbeat_interval_ms",
+]

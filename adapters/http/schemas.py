@@ -1,16 +1,19 @@
 """The worker ingress's request and response bodies (they make the OpenAPI document).
 
 Requests are strict: unknown fields, wrong types and out-of-range values are refused with 422
-before anything is read or written."""
+before anything is read or written. Every string a request carries, down to the strings of a
+JSON output, must be one the store can keep: no NUL character and no lone surrogate
+(:data:`Text`, :func:`storable_json`)."""
 
 from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, JsonValue
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, JsonValue
 
 from application.worker_commands import (
     MAX_BATCH_ITEMS,
+    MAX_CLAIM,
     MAX_DETAIL_LENGTH,
     MAX_TOKEN_LENGTH,
     MIN_TOKEN_LENGTH,
@@ -19,17 +22,50 @@ from domain.sessions import MAX_CAPACITY
 
 MAX_ID_LENGTH = 200
 MAX_ERROR_LENGTH = 10_000
+MAX_WAIT_MS = 30_000
+MAX_HELD = MAX_CLAIM * 4
 
-Identifier = Annotated[str, Field(min_length=1, max_length=MAX_ID_LENGTH)]
+
+def storable(text: str) -> str:
+    """``text`` unchanged when the store can keep it; ValueError (a 422) otherwise."""
+    if "\x00" in text:
+        raise ValueError("must not contain a NUL character")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("must be valid Unicode (no lone surrogate)") from None
+    return text
+
+
+def storable_json(value: JsonValue) -> JsonValue:
+    """``value`` unchanged when every string in it (keys included) is :func:`storable`."""
+    pending: list[JsonValue] = [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, str):
+            storable(item)
+        elif isinstance(item, dict):
+            for key, child in item.items():
+                storable(key)
+                pending.append(child)
+        elif isinstance(item, list):
+            pending.extend(item)
+    return value
+
+
+# A string a request may carry: anything but NUL and lone surrogates.
+Text = Annotated[str, AfterValidator(storable)]
+Identifier = Annotated[Text, Field(min_length=1, max_length=MAX_ID_LENGTH)]
 Token = Annotated[
-    str,
+    Text,
     Field(
         min_length=MIN_TOKEN_LENGTH,
         max_length=MAX_TOKEN_LENGTH,
-        description="The worker's own secret lease token, bound to the lease at accept.",
+        description="The lease token a claim granted (sent once, in the claim's answer).",
     ),
 ]
 Counter = Annotated[int, Field(ge=1, le=2**62)]
+Output = Annotated[JsonValue, AfterValidator(storable_json)]
 
 
 class _Request(BaseModel):
@@ -53,26 +89,13 @@ class RegisterResponse(BaseModel):
     secret: str = Field(description="Send as `Authorization: Bearer <secret>` on every call.")
     replaced_session_ids: list[str]
     lease_ttl_ms: int
-    heartbeat_interval_ms: int
-    now_ms: int
-
-
-class OfferBody(BaseModel):
-    run_id: str
-    attempt_id: str
-    attempt_number: int
-    task: str
-    input: JsonValue
-    generation: int
-    version: int
-    expires_at_ms: int
-    idempotency_key: str
+    heartbeat_interval_ms: int = Field(description="How often to renew and heartbeat.")
+    now_ms: int = Field(description="The store's clock.")
 
 
 class HeartbeatResponse(BaseModel):
     status: str
     now_ms: int
-    offers: list[OfferBody]
 
 
 class SessionStatusResponse(BaseModel):
@@ -82,32 +105,29 @@ class SessionStatusResponse(BaseModel):
 # --- fenced batches -----------------------------------------------------------------------------
 
 
-class FenceBody(_Request):
+class FenceItem(_Request):
+    attempt_id: Identifier
     generation: Counter
     version: Counter
     token: Token
 
 
-class FenceItem(FenceBody):
-    attempt_id: Identifier
-
-
-class CompleteBody(FenceBody):
+class CompleteItem(FenceItem):
     succeeded: bool
-    output: JsonValue = None
-    error: Annotated[str | None, Field(max_length=MAX_ERROR_LENGTH)] = None
+    output: Output = None
+    error: Annotated[Text | None, Field(max_length=MAX_ERROR_LENGTH)] = None
 
 
-class CompleteItem(CompleteBody):
-    attempt_id: Identifier
+class AbandonItem(FenceItem):
+    detail: Annotated[Text, Field(max_length=MAX_DETAIL_LENGTH)] = ""
 
 
-class AbandonBody(FenceBody):
-    detail: Annotated[str, Field(max_length=MAX_DETAIL_LENGTH)] = ""
-
-
-class AbandonItem(AbandonBody):
-    attempt_id: Identifier
+class ReleaseItem(FenceItem):
+    cause: Annotated[Text, Field(min_length=1, max_length=MAX_DETAIL_LENGTH)] = Field(
+        default="not_started",
+        description="Why the task never began here (a drain, a self-fence before the start, "
+        "a slot that failed to start).",
+    )
 
 
 class FenceBatch(_Request):
@@ -122,13 +142,20 @@ class AbandonBatch(_Request):
     items: Annotated[list[AbandonItem], Field(min_length=1, max_length=MAX_BATCH_ITEMS)]
 
 
+class ReleaseBatch(_Request):
+    items: Annotated[list[ReleaseItem], Field(min_length=1, max_length=MAX_BATCH_ITEMS)]
+
+
 class ItemResultBody(BaseModel):
     attempt_id: str
     status: int = Field(
-        description="200, or the status a single call would have got: 404, "
+        description="200, or the status the item would have got as a call of its own: 404, "
         "409 or 422. A refused item changed nothing."
     )
-    outcome: str | None = None
+    outcome: str | None = Field(
+        default=None,
+        description="renewed, succeeded, failed, already_completed, lost, recorded or released.",
+    )
     expires_at_ms: int | None = None
     error: str | None = None
     reason: str | None = None
@@ -140,10 +167,73 @@ class BatchResponse(BaseModel):
     results: list[ItemResultBody]
 
 
+# --- the claim ----------------------------------------------------------------------------------
+
+
+class ClaimRequest(_Request):
+    limit: Annotated[int, Field(ge=0, le=MAX_CLAIM)] = Field(
+        description="Attempts to start at most (0: only record completions and the statement)."
+    )
+    wait_ms: Annotated[int, Field(ge=0, le=MAX_WAIT_MS)] = Field(
+        default=0,
+        description="How long to wait for work when there is none (a long poll).",
+    )
+    held: Annotated[list[Identifier], Field(max_length=MAX_HELD)] | None = Field(
+        default=None,
+        description="Every attempt the worker holds (running, or finished with its completion "
+        "not yet answered). The session's other leased attempts are handed back. null: no "
+        "statement.",
+    )
+    completions: Annotated[list[CompleteItem], Field(max_length=MAX_BATCH_ITEMS)] = Field(
+        default_factory=list, description="Outcomes to record before claiming."
+    )
+
+
+class GrantBody(BaseModel):
+    run_id: str
+    attempt_id: str
+    attempt_number: int
+    task: str
+    input: JsonValue
+    generation: int
+    version: int
+    token: str = Field(description="The lease token: sent once, here.")
+    expires_at_ms: int
+    idempotency_key: str
+
+
+class ClaimResponse(BaseModel):
+    now_ms: int
+    status: str = Field(description="The session's status.")
+    completed: list[ItemResultBody] = Field(description="The completions' results, in order.")
+    released: list[str] = Field(description="Attempts handed back: not held by the worker.")
+    grants: list[GrantBody] = Field(description="Attempts started for the session.")
+    no_grant: (
+        Literal["dispatch_gate_closed", "session_not_active", "no_capacity", "nothing_queued"]
+        | None
+    ) = Field(default=None, description="Why nothing was granted, when work was asked for.")
+    detail: str | None = Field(default=None, description="The closed gate's reason.")
+
+
+# --- errors and the node ------------------------------------------------------------------------
+
+
 class ErrorBody(BaseModel):
     error: str
     message: str
     reason: str | None = None
+
+
+class Problem(BaseModel):
+    loc: list[str | int]
+    msg: str
+    type: str
+
+
+class InvalidRequestBody(ErrorBody):
+    detail: list[Problem] | None = Field(
+        default=None, description="The first validation problems (the input is not echoed)."
+    )
 
 
 class HealthResponse(BaseModel):

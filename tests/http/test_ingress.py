@@ -1,5 +1,5 @@
-"""The worker ingress over HTTP, on the memory store and on PostgreSQL: the protocol end to end,
-authentication, fences, and bad input that changes nothing and never gets a 500."""
+"""The worker ingress over HTTP, on the memory store and on PostgreSQL: the claim protocol end to
+end, authentication, fences, and bad input that changes nothing and never gets a 500."""
 
 from __future__ import annotations
 
@@ -11,105 +11,201 @@ from fastapi.testclient import TestClient
 
 from adapters.http import create_app
 from adapters.memory import FakeClock, MemoryStore
+from application.ports import DispatchGate
 from application.worker_commands import WorkerCommands
 from domain.model import LeaseStatus, ReleaseReason, RunStatus, SessionStatus
-from tests.application.support import CountingIdentities, run_view, store_view
-from tests.http.conftest import LEASE_TTL_MS, TOKEN, Ingress, Session
+from tests.application.support import CountingIdentities, event_types, run_view, store_view
+from tests.http.conftest import LEASE_TTL_MS, Ingress, Session, fence
+
+TOKEN = "k" * 32
 
 
 def _view(ingress: Ingress, *sessions: Session) -> Any:
     return store_view(ingress.store, [s.session_id for s in sessions])
 
 
-def _without_attempt(fence: dict[str, Any], **extra: Any) -> dict[str, Any]:
-    return {**{k: v for k, v in fence.items() if k != "attempt_id"}, **extra}
+def _grants(session: Session, count: int, limit: int = 4) -> list[dict[str, Any]]:
+    answer = session.claim(limit)
+    assert len(answer["grants"]) == count, answer
+    grants: list[dict[str, Any]] = answer["grants"]
+    return grants
 
 
 # --- the protocol -------------------------------------------------------------------------------
 
 
-def test_register_heartbeat_start_renew_complete(ingress: Ingress) -> None:
+def test_claim_renew_complete(ingress: Ingress) -> None:
     session = ingress.register()
-    assert ingress.wakes == [1]  # a new session has capacity: the node may dispatch now
-    assert session.offers() == []
-    run_ids = ingress.offered(2)
-    offers = session.offers()
-    assert sorted(o["run_id"] for o in offers) == sorted(run_ids)
-    assert {o["idempotency_key"] for o in offers} == set(run_ids)
-    assert all(o["input"] in ({"i": 0}, {"i": 1}) for o in offers)
-    fences = [
-        {"attempt_id": o["attempt_id"], "generation": o["generation"], "version": o["version"],
-         "token": f"{TOKEN}-{o['attempt_id']}"}
-        for o in offers
-    ]
-    started = session.post("start", {"items": fences})
-    assert started.status_code == 200, started.text
-    body = started.json()
-    assert [r["status"] for r in body["results"]] == [200, 200]
-    assert [r["outcome"] for r in body["results"]] == ["running", "running"]
-    assert all(r["expires_at_ms"] == body["now_ms"] + LEASE_TTL_MS for r in body["results"])
+    empty = session.claim(2)
+    assert (empty["grants"], empty["no_grant"], empty["status"]) == ([], "nothing_queued", "active")
+    run_ids = ingress.queued(2)
+    answer = session.claim(2)
+    grants = answer["grants"]
+    assert sorted(g["run_id"] for g in grants) == sorted(run_ids)
+    assert {g["idempotency_key"] for g in grants} == set(run_ids)
+    assert sorted(g["input"]["i"] for g in grants) == [0, 1]
+    assert all(g["task"] == "t" and g["attempt_number"] == 1 for g in grants)
+    assert all((g["generation"], g["version"]) == (1, 1) for g in grants)
+    # The lease starts at the claim's lock (the store's clock), within the call's transaction.
+    assert all(abs(g["expires_at_ms"] - answer["now_ms"] - LEASE_TTL_MS) < 1_000 for g in grants)
+    assert answer["no_grant"] is None and answer["completed"] == answer["released"] == []
+    for grant in grants:
+        assert run_view(ingress.store, grant["run_id"]).run.status is RunStatus.RUNNING
+        assert "attempt_started" in event_types(ingress.store, grant["run_id"])
+    fences = [fence(g) for g in grants]
 
     ingress.advance(5_000)
     renewed = session.post("renew", {"items": fences}).json()
     assert [r["outcome"] for r in renewed["results"]] == ["renewed", "renewed"]
+    assert all(r["expires_at_ms"] == renewed["now_ms"] + LEASE_TTL_MS for r in renewed["results"])
 
-    done = session.post("complete", {"items": [
-        {**fences[0], "succeeded": True, "output": {"answer": 42}},
-        {**fences[1], "succeeded": False, "error": "task raised"},
-    ]})
+    done = session.post(
+        "complete",
+        {
+            "items": [
+                {**fences[0], "succeeded": True, "output": {"answer": 42}},
+                {**fences[1], "succeeded": False, "error": "task raised"},
+            ]
+        },
+    )
     assert [r["outcome"] for r in done.json()["results"]] == ["succeeded", "failed"]
-    assert len(ingress.wakes) == 2
-    by_attempt = {o["attempt_id"]: o["run_id"] for o in offers}
-    ok = run_view(ingress.store, by_attempt[fences[0]["attempt_id"]])
-    failed = run_view(ingress.store, by_attempt[fences[1]["attempt_id"]])
+    assert ingress.ended == []  # completions do not wake the cadence
+    ok = run_view(ingress.store, grants[0]["run_id"])
+    failed = run_view(ingress.store, grants[1]["run_id"])
     assert ok.run.status is RunStatus.SUCCEEDED and ok.run.output == {"answer": 42}
     assert failed.run.status is RunStatus.FAILED and failed.run.error == "task raised"
     for view in (ok, failed):
         (lease,) = view.leases
         assert (lease.status, lease.version, lease.release_reason) == (
-            LeaseStatus.RELEASED, 2, ReleaseReason.COMPLETED
+            LeaseStatus.RELEASED,
+            2,
+            ReleaseReason.COMPLETED,
         )
+    again = session.post("complete", {"items": [{**fences[0], "succeeded": True}]})
+    assert again.json()["results"][0]["outcome"] == "already_completed"
 
     assert session.post("drain").json() == {"status": "draining"}
+    drained = session.claim(1)
+    assert (drained["status"], drained["no_grant"]) == ("draining", "session_not_active")
     assert session.post("close").json() == {"status": "closed"}
     assert session.post("heartbeat").status_code == 409
 
 
-def test_one_attempt_at_a_time(ingress: Ingress) -> None:
+def test_heartbeat_answers_status_and_clock_only(ingress: Ingress) -> None:
     session = ingress.register()
-    (run_id,) = ingress.offered(1)
-    (fence,) = session.fences()
-    base = f"attempts/{fence['attempt_id']}"
-    body = _without_attempt(fence)
-    accepted = session.post(f"{base}/accept", body)
-    assert accepted.status_code == 200 and accepted.json()["outcome"] == "accepted"
-    activated = session.post(f"{base}/activate", body)
-    assert activated.status_code == 200 and activated.json()["outcome"] == "running"
-    assert session.post(f"{base}/renew", body).json()["outcome"] == "renewed"
-    done = session.post(f"{base}/complete", {**body, "succeeded": True, "output": [1, 2]})
-    assert done.status_code == 200 and done.json()["outcome"] == "succeeded"
-    assert run_view(ingress.store, run_id).run.output == [1, 2]
-    again = session.post(f"{base}/complete", {**body, "succeeded": True, "output": [1, 2]})
-    assert again.json()["outcome"] == "already_completed"
+    ingress.queued(1)
+    response = session.post("heartbeat")
+    assert response.status_code == 200
+    assert set(response.json()) == {"status", "now_ms"}
+    assert response.json()["status"] == "active"
+
+
+def test_a_completion_and_the_next_claim_travel_in_one_call(ingress: Ingress) -> None:
+    session = ingress.register(capacity=1)
+    first, second = ingress.queued(2)
+    (grant,) = _grants(session, 1, limit=1)
+    assert session.claim(1)["no_grant"] == "no_capacity"
+    answer = session.claim(1, completions=[{**fence(grant), "succeeded": True, "output": [1]}])
+    assert [(r["attempt_id"], r["outcome"], r["status"]) for r in answer["completed"]] == [
+        (grant["attempt_id"], "succeeded", 200)
+    ]
+    (next_grant,) = answer["grants"]  # the slot the completion freed, refilled at once
+    assert {grant["run_id"], next_grant["run_id"]} == {first, second}
+    assert run_view(ingress.store, grant["run_id"]).run.output == [1]
+    assert ingress.ended == []  # completions do not wake the cadence
+
+
+def test_a_refused_completion_in_a_claim_is_an_item_result(ingress: Ingress) -> None:
+    session = ingress.register(capacity=1)
+    ingress.queued(1)
+    (grant,) = _grants(session, 1, limit=1)
+    stale = {**fence(grant), "version": 2, "succeeded": True}
+    answer = session.claim(1, completions=[stale])
+    ((result,),) = (answer["completed"],)
+    assert (result["status"], result["error"], result["reason"]) == (
+        409,
+        "fence_rejected",
+        "version_mismatch",
+    )
+    assert answer["no_grant"] == "no_capacity"
+    assert ingress.ended == []
+
+
+def test_the_held_statement_hands_back_what_the_worker_does_not_hold(ingress: Ingress) -> None:
+    session = ingress.register()
+    ingress.queued(2)
+    kept, lost_answer = _grants(session, 2)
+    answer = session.claim(0, held=[kept["attempt_id"]])
+    assert answer["released"] == [lost_answer["attempt_id"]]
+    assert answer["grants"] == [] and answer["no_grant"] is None
+    view = run_view(ingress.store, lost_answer["run_id"])
+    assert view.run.status is RunStatus.QUEUED
+    assert (view.leases[-1].status, view.leases[-1].release_reason) == (
+        LeaseStatus.RELEASED,
+        ReleaseReason.HANDED_BACK,
+    )
+    assert "attempt_released" in event_types(ingress.store, lost_answer["run_id"])
+    assert run_view(ingress.store, kept["run_id"]).run.status is RunStatus.RUNNING
+    # Claimed again, under the next lease generation: the old fence is refused.
+    (again,) = _grants(session, 1)
+    assert (again["attempt_id"], again["generation"]) == (lost_answer["attempt_id"], 2)
+    old = session.post("renew", {"items": [fence(lost_answer)]}).json()["results"][0]
+    assert (old["status"], old["error"]) == (409, "fence_rejected")
+    # A statement naming everything hands nothing back.
+    assert session.claim(0, held=[kept["attempt_id"], again["attempt_id"]])["released"] == []
+
+
+def test_release_hands_back_an_unstarted_attempt(ingress: Ingress) -> None:
+    session = ingress.register()
+    (run_id,) = ingress.queued(1)
+    (grant,) = _grants(session, 1)
+    released = session.post("release", {"items": [{**fence(grant), "cause": "draining"}]})
+    assert released.status_code == 200, released.text
+    (result,) = released.json()["results"]
+    assert (result["status"], result["outcome"]) == (200, "released")
+    view = run_view(ingress.store, run_id)
+    assert view.run.status is RunStatus.QUEUED
+    (lease,) = view.leases
+    assert (lease.status, lease.release_reason) == (LeaseStatus.RELEASED, ReleaseReason.HANDED_BACK)
+    twice = session.post("release", {"items": [fence(grant)]}).json()["results"][0]
+    assert (twice["status"], twice["error"]) == (409, "fence_rejected")
+    (again,) = _grants(session, 1)
+    assert again["run_id"] == run_id and again["generation"] == 2
 
 
 def test_abandon_with_a_live_lease_and_after_close(ingress: Ingress) -> None:
     session = ingress.register()
-    run_ids = ingress.offered(2)
-    fences = session.fences()
-    session.post("start", {"items": fences})
+    run_ids = ingress.queued(2)
+    fences = [fence(g) for g in _grants(session, 2)]
     lost = session.post("abandon", {"items": [{**fences[0], "detail": "shutting down"}]})
     assert lost.json()["results"][0]["outcome"] == "lost"
+    assert ingress.ended == [1]
     ingress.advance(LEASE_TTL_MS)
     session.post("close")
-    recorded = session.post(
-        f"attempts/{fences[1]['attempt_id']}/abandon",
-        _without_attempt(fences[1], detail="stopped"),
-    )
+    recorded = session.post("abandon", {"items": [{**fences[1], "detail": "stopped"}]})
     assert recorded.status_code == 200
-    assert recorded.json()["outcome"] == "recorded"
+    assert recorded.json()["results"][0]["outcome"] == "recorded"
     statuses = sorted(run_view(ingress.store, r).run.status.value for r in run_ids)
     assert statuses == ["lost", "running"]  # recovery settles the second one
+
+
+def test_a_closed_gate_grants_nothing_and_says_why(ingress: Ingress) -> None:
+    session = ingress.register()
+    (run_id,) = ingress.queued(1)
+    reason = "runtime_recovery failed: OperationalError"
+    with ingress.store.unit_of_work() as uow:
+        uow.gate.set(DispatchGate(open=False, reason=reason, changed_at_ms=uow.now_ms()))
+        uow.commit()
+    answer = session.claim(1)
+    assert answer["grants"] == []
+    assert (answer["no_grant"], answer["detail"]) == ("dispatch_gate_closed", reason)
+    waited = session.claim(1, wait_ms=50)  # a closed gate may wait too: it still answers
+    assert (waited["no_grant"], waited["detail"]) == ("dispatch_gate_closed", reason)
+    assert run_view(ingress.store, run_id).run.status is RunStatus.QUEUED
+    with ingress.store.unit_of_work() as uow:
+        uow.gate.set(DispatchGate(open=True, changed_at_ms=uow.now_ms()))
+        uow.commit()
+    assert len(session.claim(1)["grants"]) == 1
 
 
 # --- authentication -----------------------------------------------------------------------------
@@ -118,26 +214,29 @@ def test_abandon_with_a_live_lease_and_after_close(ingress: Ingress) -> None:
 def test_missing_wrong_and_foreign_credentials(ingress: Ingress) -> None:
     session = ingress.register()
     other = ingress.register("w2")
-    ingress.offered(1)
-    (fence,) = session.fences()
+    ingress.queued(1)
+    (grant,) = _grants(session, 1)
     before = _view(ingress, session, other)
-    items = {"items": [fence]}
+    items = {"items": [fence(grant)]}
 
-    missing = session.post("start", items, headers={})
+    missing = session.post("renew", items, headers={})
     assert missing.status_code == 401
     assert missing.headers["www-authenticate"] == "Bearer"
-    wrong = session.post("start", items, headers={"Authorization": "Bearer not-the-secret"})
+    assert session.post("claim", {"limit": 1}, headers={}).status_code == 401
+    wrong = session.post("renew", items, headers={"Authorization": "Bearer not-the-secret"})
     assert wrong.status_code == 401
-    scheme = session.post("start", items, headers={"Authorization": f"Basic {session.secret}"})
+    scheme = session.post("renew", items, headers={"Authorization": f"Basic {session.secret}"})
     assert scheme.status_code == 401
-    unknown = ingress.client.post("/v1/sessions/no-such-session/start", json=items,
-                                  headers=session.auth)
+    unknown = ingress.client.post(
+        "/v1/sessions/no-such-session/claim", json={"limit": 1}, headers=session.auth
+    )
     assert unknown.status_code == 404
+    assert unknown.json()["error"] == "unknown_session"
     # another session's secret does not open this session ...
-    crossed = session.post("start", items, headers=other.auth)
+    crossed = session.post("renew", items, headers=other.auth)
     assert crossed.status_code == 401
-    # ... and another session cannot take this session's offer
-    foreign = other.post("start", items)
+    # ... and another session cannot use this session's lease
+    foreign = other.post("renew", items)
     assert foreign.status_code == 200
     assert foreign.json()["results"][0]["status"] == 409
     assert _view(ingress, session, other) == before
@@ -145,9 +244,8 @@ def test_missing_wrong_and_foreign_credentials(ingress: Ingress) -> None:
 
 def test_a_replaced_session_is_409_and_changes_nothing(ingress: Ingress) -> None:
     old = ingress.register("w1")
-    ingress.offered(1)
-    fences = old.fences()
-    old.post("start", {"items": fences})
+    ingress.queued(1)
+    fences = [fence(g) for g in _grants(old, 1)]
     new = ingress.register("w1")
     with ingress.store.unit_of_work() as uow:
         assert uow.sessions.get(old.session_id).status is SessionStatus.REPLACED
@@ -155,6 +253,8 @@ def test_a_replaced_session_is_409_and_changes_nothing(ingress: Ingress) -> None
     for command, body in (
         ("renew", {"items": fences}),
         ("complete", {"items": [{**fences[0], "succeeded": True}]}),
+        ("release", {"items": fences}),
+        ("claim", {"limit": 1}),
         ("heartbeat", None),
     ):
         response = old.post(command, body)
@@ -173,6 +273,7 @@ def test_registration_token() -> None:
     assert wrong.status_code == 401
     ok = client.post("/v1/sessions", json=body, headers={"Authorization": "Bearer let-me-in"})
     assert ok.status_code == 201
+    assert ok.json()["heartbeat_interval_ms"] == 333  # a third of the lease TTL
     with store.unit_of_work() as uow:
         assert len(uow.sessions.open_sessions_of("w")) == 1
 
@@ -182,22 +283,19 @@ def test_registration_token() -> None:
 
 def test_stale_fences_are_409_and_change_nothing(ingress: Ingress) -> None:
     session = ingress.register()
-    ingress.offered(2)
-    fences = session.fences()
-    session.post("start", {"items": fences})
+    ingress.queued(2)
+    fences = [fence(g) for g in _grants(session, 2)]
     before = _view(ingress, session)
     stale = [
         {**fences[0], "version": 2},
         {**fences[0], "generation": 2},
         {**fences[0], "token": "z" * 40},
     ]
-    for fence in stale:
-        single = session.post(
-            f"attempts/{fence['attempt_id']}/complete",
-            _without_attempt(fence, succeeded=True),
-        )
-        assert single.status_code == 409, single.text
-        assert single.json()["error"] == "fence_rejected"
+    for item in stale:
+        done = session.post("complete", {"items": [{**item, "succeeded": True}]})
+        assert done.status_code == 200, done.text
+        (result,) = done.json()["results"]
+        assert (result["status"], result["error"]) == (409, "fence_rejected")
     mixed = session.post("renew", {"items": [stale[0], fences[1]]}).json()["results"]
     assert [r["status"] for r in mixed] == [409, 200]
     assert mixed[0]["reason"] == "version_mismatch"
@@ -210,34 +308,12 @@ def test_stale_fences_are_409_and_change_nothing(ingress: Ingress) -> None:
         assert [lease.version for lease in view.leases] == [1]
 
 
-def test_after_recovery_the_old_fence_is_409(ingress: Ingress) -> None:
-    session = ingress.register()
-    (run_id,) = ingress.offered(1)
-    (fence,) = session.fences()
-    session.post("start", {"items": [fence]})
-    ingress.advance(LEASE_TTL_MS)
-    from application.recovery import RuntimeRecovery
-
-    ingress.commands.attest_stopped(fence["attempt_id"], "host is gone")
-    assert RuntimeRecovery(ingress.store.unit_of_work, ingress.store).run_once().recovered == 1
-    (lease,) = run_view(ingress.store, run_id).leases
-    assert (lease.status, lease.version, lease.release_reason) == (
-        LeaseStatus.RELEASED, 2, ReleaseReason.LEASE_EXPIRED
-    )
-    before = _view(ingress, session)
-    for command, extra in (("renew", {}), ("complete", {"succeeded": True})):
-        response = session.post(f"attempts/{fence['attempt_id']}/{command}",
-                                _without_attempt(fence, **extra))
-        assert response.status_code == 409
-    assert _view(ingress, session) == before
-
-
 def test_a_closed_session_is_evidence_for_what_it_held(ingress: Ingress) -> None:
     from application.recovery import RuntimeRecovery
 
     session = ingress.register()
-    (run_id,) = ingress.offered(1)
-    session.post("start", {"items": session.fences()})
+    (run_id,) = ingress.queued(1)
+    _grants(session, 1)
     recovery = RuntimeRecovery(ingress.store.unit_of_work, ingress.store)
     ingress.advance(LEASE_TTL_MS)
     assert recovery.run_once().awaiting_evidence == 1  # expired, still open: fail closed
@@ -247,10 +323,30 @@ def test_a_closed_session_is_evidence_for_what_it_held(ingress: Ingress) -> None
     (attempt,) = view.attempts
     assert attempt.lost_evidence is not None
     assert attempt.lost_evidence.value == "session_closed"
-    (lease,) = view.leases
-    assert (lease.status, lease.version, lease.release_reason) == (
-        LeaseStatus.RELEASED, 2, ReleaseReason.LEASE_EXPIRED
-    )
+
+
+# --- removed routes -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "accept",
+        "activate",
+        "start",
+        "attempts/a-1/accept",
+        "attempts/a-1/activate",
+        "attempts/a-1/start",
+        "attempts/a-1/renew",
+        "attempts/a-1/complete",
+        "attempts/a-1/abandon",
+    ],
+)
+def test_the_offer_protocol_routes_are_gone(ingress: Ingress, path: str) -> None:
+    session = ingress.register()
+    body = {"items": [{"attempt_id": "a-1", "generation": 1, "version": 1, "token": TOKEN}]}
+    response = session.post(path, body)
+    assert response.status_code in (404, 405), response.text
 
 
 # --- bad input ------------------------------------------------------------------------------------
@@ -259,18 +355,30 @@ def test_a_closed_session_is_evidence_for_what_it_held(ingress: Ingress) -> None
 BAD_BODIES = [
     pytest.param({"items": []}, id="empty-batch"),
     pytest.param({"items": [{"attempt_id": "a", "generation": 1, "version": 1}]}, id="no-token"),
-    pytest.param({"items": [{"attempt_id": "a", "generation": "1", "version": 1,
-                             "token": TOKEN}]}, id="string-number"),
-    pytest.param({"items": [{"attempt_id": "a", "generation": 0, "version": 1,
-                             "token": TOKEN}]}, id="generation-0"),
-    pytest.param({"items": [{"attempt_id": "a", "generation": 1, "version": 1,
-                             "token": "short"}]}, id="short-token"),
-    pytest.param({"items": [{"attempt_id": "a", "generation": 1, "version": 1,
-                             "token": TOKEN, "extra": 1}]}, id="unknown-field"),
-    pytest.param({"items": [{"attempt_id": "", "generation": 1, "version": 1,
-                             "token": TOKEN}]}, id="empty-id"),
-    pytest.param({"items": [{"attempt_id": "a", "generation": 1, "version": 1,
-                             "token": TOKEN}] * 257}, id="too-many"),
+    pytest.param(
+        {"items": [{"attempt_id": "a", "generation": "1", "version": 1, "token": TOKEN}]},
+        id="string-number",
+    ),
+    pytest.param(
+        {"items": [{"attempt_id": "a", "generation": 0, "version": 1, "token": TOKEN}]},
+        id="generation-0",
+    ),
+    pytest.param(
+        {"items": [{"attempt_id": "a", "generation": 1, "version": 1, "token": "short"}]},
+        id="short-token",
+    ),
+    pytest.param(
+        {"items": [{"attempt_id": "a", "generation": 1, "version": 1, "token": TOKEN, "x": 1}]},
+        id="unknown-field",
+    ),
+    pytest.param(
+        {"items": [{"attempt_id": "", "generation": 1, "version": 1, "token": TOKEN}]},
+        id="empty-id",
+    ),
+    pytest.param(
+        {"items": [{"attempt_id": "a", "generation": 1, "version": 1, "token": TOKEN}] * 257},
+        id="too-many",
+    ),
     pytest.param([1, 2], id="not-an-object"),
     pytest.param(None, id="no-body"),
 ]
@@ -279,7 +387,7 @@ BAD_BODIES = [
 @pytest.mark.parametrize("body", BAD_BODIES)
 def test_schema_errors_are_422_and_change_nothing(ingress: Ingress, body: Any) -> None:
     session = ingress.register()
-    ingress.offered(1)
+    ingress.queued(1)
     before = _view(ingress, session)
     response = session.post("renew", body)
     assert response.status_code == 422, response.text
@@ -287,24 +395,140 @@ def test_schema_errors_are_422_and_change_nothing(ingress: Ingress, body: Any) -
     assert _view(ingress, session) == before
 
 
+BAD_CLAIMS = [
+    pytest.param({}, id="no-limit"),
+    pytest.param({"limit": -1}, id="negative-limit"),
+    pytest.param({"limit": 257}, id="limit-too-large"),
+    pytest.param({"limit": 1, "wait_ms": 30_001}, id="wait-too-long"),
+    pytest.param({"limit": 1, "wait_ms": -1}, id="negative-wait"),
+    pytest.param({"limit": 1, "held": [""]}, id="empty-held-id"),
+    pytest.param({"limit": 1, "held": ["a"] * 1025}, id="too-many-held"),
+    pytest.param({"limit": 1, "completions": [{"attempt_id": "a"}]}, id="bad-completion"),
+    pytest.param({"limit": 1, "extra": True}, id="unknown-field"),
+]
+
+
+@pytest.mark.parametrize("body", BAD_CLAIMS)
+def test_bad_claims_are_422_and_change_nothing(ingress: Ingress, body: Any) -> None:
+    session = ingress.register()
+    ingress.queued(1)
+    before = _view(ingress, session)
+    response = session.post("claim", body)
+    assert response.status_code == 422, response.text
+    assert _view(ingress, session) == before
+
+
+def test_an_invalid_admission_of_a_command_is_422(ingress: Ingress) -> None:
+    session = ingress.register()
+    ingress.queued(1)
+    (grant,) = _grants(session, 1)
+    before = _view(ingress, session)
+    twice = [{**fence(grant), "succeeded": True}] * 2  # one attempt twice: the command refuses
+    claimed = session.post("claim", {"limit": 1, "completions": twice})
+    assert claimed.status_code == 422, claimed.text
+    assert claimed.json()["error"] == "invalid_request"
+    renewed = session.post("renew", {"items": [fence(grant), fence(grant)]})
+    assert renewed.status_code == 422
+    assert _view(ingress, session) == before
+
+
+def _nul(text: str) -> str:
+    return text[:1] + "\x00" + text[1:]
+
+
+def test_a_nul_in_the_worker_id_or_a_task_name_is_422(ingress: Ingress) -> None:
+    for body in (
+        {"worker_id": _nul("w1"), "capacity": 1, "tasks": ["t"]},
+        {"worker_id": "w1", "capacity": 1, "tasks": ["t", _nul("task")]},
+    ):
+        response = ingress.client.post("/v1/sessions", json=body)
+        assert response.status_code == 422, response.text
+        assert "NUL" in response.json()["message"]
+    with ingress.store.unit_of_work() as uow:
+        assert uow.sessions.open_sessions_of("w1") == ()
+
+
+def test_a_nul_in_the_session_id_is_422(ingress: Ingress) -> None:
+    session = ingress.register()
+    ingress.queued(1)
+    before = _view(ingress, session)
+    for command, body in (
+        ("claim", {"limit": 1}),
+        ("heartbeat", None),
+        ("drain", None),
+        ("renew", {"items": [{"attempt_id": "a", "generation": 1, "version": 1, "token": TOKEN}]}),
+    ):
+        response = ingress.client.post(
+            f"/v1/sessions/{session.session_id}%00/{command}", json=body, headers=session.auth
+        )
+        assert response.status_code == 422, (command, response.text)
+        assert response.json()["detail"][0]["loc"] == ["path", "session_id"]
+    assert _view(ingress, session) == before
+
+
+def test_a_nul_in_an_attempt_id_is_422(ingress: Ingress) -> None:
+    session = ingress.register()
+    ingress.queued(1)
+    (grant,) = _grants(session, 1)
+    bad = {**fence(grant), "attempt_id": _nul(grant["attempt_id"])}
+    before = _view(ingress, session)
+    for command, body in (
+        ("renew", {"items": [bad]}),
+        ("complete", {"items": [{**bad, "succeeded": True}]}),
+        ("release", {"items": [bad]}),
+        ("abandon", {"items": [bad]}),
+        ("claim", {"limit": 1, "completions": [{**bad, "succeeded": True}]}),
+        ("claim", {"limit": 1, "held": [_nul(grant["attempt_id"])]}),
+    ):
+        response = session.post(command, body)
+        assert response.status_code == 422, (command, response.text)
+        assert "NUL" in response.json()["message"]
+    assert _view(ingress, session) == before
+
+
+@pytest.mark.parametrize(
+    ("command", "item"),
+    [
+        pytest.param("renew", {"token": _nul(TOKEN)}, id="token"),
+        pytest.param("release", {"cause": _nul("draining")}, id="cause"),
+        pytest.param("abandon", {"detail": _nul("stopped")}, id="detail"),
+        pytest.param("complete", {"succeeded": False, "error": _nul("boom")}, id="error"),
+        pytest.param("complete", {"succeeded": True, "output": ["a", {"b": _nul("c")}]},
+                     id="output-string"),
+        pytest.param("complete", {"succeeded": True, "output": {_nul("key"): 1}},
+                     id="output-key"),
+    ],
+)
+def test_a_nul_in_any_other_string_is_422(ingress: Ingress, command: str, item: Any) -> None:
+    session = ingress.register()
+    ingress.queued(1)
+    (grant,) = _grants(session, 1)
+    before = _view(ingress, session)
+    response = session.post(command, {"items": [{**fence(grant), **item}]})
+    assert response.status_code == 422, response.text
+    if command == "complete":
+        claimed = session.post("claim", {"limit": 1, "completions": [{**fence(grant), **item}]})
+        assert claimed.status_code == 422, claimed.text
+    assert _view(ingress, session) == before
+
+
+def test_a_lone_surrogate_is_422(ingress: Ingress) -> None:
+    raw = b'{"worker_id": "w\\ud800", "capacity": 1, "tasks": ["t"]}'
+    response = ingress.client.post(
+        "/v1/sessions", content=raw, headers={"content-type": "application/json"}
+    )
+    assert response.status_code == 422, response.text
+
+
 def test_validation_errors_never_echo_tokens(ingress: Ingress) -> None:
     session = ingress.register()
     secret_ish = "S3CRET-" + "q" * 300  # too long for a token
-    response = session.post("renew", {"items": [
-        {"attempt_id": "a", "generation": 1, "version": 1, "token": secret_ish}
-    ]})
+    response = session.post(
+        "renew",
+        {"items": [{"attempt_id": "a", "generation": 1, "version": 1, "token": secret_ish}]},
+    )
     assert response.status_code == 422
     assert "S3CRET" not in response.text
-
-
-def test_duplicate_attempts_in_one_batch_are_422(ingress: Ingress) -> None:
-    session = ingress.register()
-    ingress.offered(1)
-    (fence,) = session.fences()
-    before = _view(ingress, session)
-    response = session.post("start", {"items": [fence, fence]})
-    assert response.status_code == 422
-    assert _view(ingress, session) == before
 
 
 @pytest.mark.parametrize(
@@ -313,15 +537,22 @@ def test_duplicate_attempts_in_one_batch_are_422(ingress: Ingress) -> None:
         pytest.param(b"{not json", {"content-type": "application/json"}, id="broken-json"),
         pytest.param(b'{"items": []}', {"content-type": "text/plain"}, id="not-json-type"),
         pytest.param(b"\xff\xfe", {"content-type": "application/json"}, id="not-utf8"),
-        pytest.param(b'{"items": ' + b"[" * 20_000 + b"]" * 20_000 + b"}",
-                     {"content-type": "application/json"}, id="too-deep"),
+        pytest.param(
+            b'{"items": ' + b"[" * 20_000 + b"]" * 20_000 + b"}",
+            {"content-type": "application/json"},
+            id="too-deep",
+        ),
     ],
 )
-def test_unparsable_bodies_are_422(ingress: Ingress, content: bytes,
-                                   headers: dict[str, str]) -> None:
+def test_unparsable_bodies_are_422(
+    ingress: Ingress, content: bytes, headers: dict[str, str]
+) -> None:
     session = ingress.register()
-    response = session.post("renew", None, headers={**session.auth, **headers}, content=content)
-    assert response.status_code == 422
+    for command in ("renew", "claim"):
+        response = session.post(
+            command, None, headers={**session.auth, **headers}, content=content
+        )
+        assert response.status_code == 422, (command, response.text)
 
 
 def test_register_refuses_bad_sessions(ingress: Ingress) -> None:
@@ -339,11 +570,10 @@ def test_register_refuses_bad_sessions(ingress: Ingress) -> None:
 
 def test_oversized_bodies_are_413(ingress: Ingress) -> None:
     session = ingress.register()
-    ingress.offered(1)
-    (fence,) = session.fences()
-    session.post("start", {"items": [fence]})
+    ingress.queued(1)
+    (grant,) = _grants(session, 1)
     before = _view(ingress, session)
-    big = {"items": [{**fence, "succeeded": True, "output": "x" * (65 * 1024)}]}
+    big = {"items": [{**fence(grant), "succeeded": True, "output": "x" * (65 * 1024)}]}
     declared = session.post("complete", big)
     assert declared.status_code == 413
     assert declared.json()["error"] == "body_too_large"
@@ -352,8 +582,12 @@ def test_oversized_bodies_are_413(ingress: Ingress) -> None:
         for _ in range(100):
             yield b" " * 1024
 
-    streamed = session.post("complete", None, content=chunks(),
-                            headers={**session.auth, "content-type": "application/json"})
+    streamed = session.post(
+        "complete",
+        None,
+        content=chunks(),
+        headers={**session.auth, "content-type": "application/json"},
+    )
     assert streamed.status_code == 413
     assert _view(ingress, session) == before
 
@@ -365,10 +599,12 @@ def test_store_failures_are_503_not_500() -> None:
     client = TestClient(create_app(commands), raise_server_exceptions=False)
     grant = commands.register("w", 1, ["t"])
     store.close()  # every unit of work now fails
-    response = client.post(f"/v1/sessions/{grant.session_id}/heartbeat",
-                           headers={"Authorization": f"Bearer {grant.secret}"})
-    assert response.status_code == 503
-    assert response.json()["error"] == "unavailable"
+    auth = {"Authorization": f"Bearer {grant.secret}"}
+    for command, body in (("heartbeat", None), ("claim", {"limit": 1, "wait_ms": 1000})):
+        path = f"/v1/sessions/{grant.session_id}/{command}"
+        response = client.post(path, headers=auth, json=body)
+        assert response.status_code == 503, response.text
+        assert response.json()["error"] == "unavailable"
 
 
 def test_openapi_documents_every_call() -> None:
@@ -376,12 +612,32 @@ def test_openapi_documents_every_call() -> None:
     commands = WorkerCommands(store.unit_of_work, CountingIdentities(), lease_ttl_ms=1000)
     document = TestClient(create_app(commands)).get("/openapi.json").json()
     paths = set(document["paths"])
-    for command in ("heartbeat", "drain", "close", "accept", "activate", "start", "renew",
-                    "complete", "abandon"):
-        assert f"/v1/sessions/{{session_id}}/{command}" in paths
-    for command in ("accept", "activate", "start", "renew", "complete", "abandon"):
-        assert f"/v1/sessions/{{session_id}}/attempts/{{attempt_id}}/{command}" in paths
-    assert "/v1/sessions" in paths
+    session_calls = {
+        f"/v1/sessions/{{session_id}}/{command}"
+        for command in (
+            "heartbeat", "drain", "close", "claim", "renew", "complete", "release", "abandon"
+        )
+    }
+    assert paths == {"/v1/health", "/v1/sessions", *session_calls}
     assert "HTTPBearer" in document["components"]["securitySchemes"]
-    renew = document["paths"]["/v1/sessions/{session_id}/renew"]["post"]
-    assert {"401", "404", "409", "413", "422", "503"} <= set(renew["responses"])
+    schemas = document["components"]["schemas"]
+    for path in session_calls:
+        operation = document["paths"][path]["post"]
+        assert {"401", "404", "409", "413", "422", "503"} <= set(operation["responses"]), path
+        invalid = operation["responses"]["422"]["content"]["application/json"]["schema"]
+        assert invalid["$ref"].endswith("/InvalidRequestBody"), path
+    claim = document["paths"]["/v1/sessions/{session_id}/claim"]["post"]
+    ok = claim["responses"]["200"]["content"]["application/json"]["schema"]
+    assert ok["$ref"].endswith("/ClaimResponse")
+    request = claim["requestBody"]["content"]["application/json"]["schema"]
+    assert request["$ref"].endswith("/ClaimRequest")
+    assert set(schemas["ClaimRequest"]["properties"]) == {"limit", "wait_ms", "held", "completions"}
+    assert set(schemas["ClaimResponse"]["properties"]) == {
+        "now_ms", "status", "completed", "released", "grants", "no_grant", "detail"
+    }
+    assert set(schemas["GrantBody"]["properties"]) == {
+        "run_id", "attempt_id", "attempt_number", "task", "input", "generation", "version",
+        "token", "expires_at_ms", "idempotency_key",
+    }
+    assert set(schemas["HeartbeatResponse"]["properties"]) == {"status", "now_ms"}
+    assert "cause" in schemas["ReleaseItem"]["properties"]
