@@ -1,5 +1,6 @@
-"""The worker SDK: a session with the ingress, N execution slots in child processes, batched
-protocol calls, background renewals, self-fencing and drain. See :mod:`.runtime`.
+"""The worker SDK: a session with the ingress, N execution slots in child processes, claims
+that start work in one call (ADR 0007), background renewals, self-fencing and drain. See
+:mod:`.runtime`.
 
 Names are imported lazily: a slot's child process (:mod:`.slot_main`) loads this package and
 should not pay for the HTTP client."""
@@ -14,8 +15,8 @@ _EXPORTS = {
     "IngressRefused": "adapters.worker.client",
     "IngressUnavailable": "adapters.worker.client",
     "Worker": "adapters.worker.runtime",
-    "WorkerFailed": "adapters.worker.runtime",
-    "WorkerSettings": "adapters.worker.runtime",
+    "WorkerFailed": "adapters.worker.settings",
+    "WorkerSettings": "adapters.worker.settings",
 }
 
 __all__ = sorted(_EXPORTS)

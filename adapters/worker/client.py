@@ -1,25 +1,40 @@
-"""A small client of the worker ingress (HTTP). It knows the protocol, not the worker's policy.
+"""A small client of the worker ingress (HTTP, ADR 0007). It knows the protocol, not the
+worker's policy.
 
-An answer that refuses a call raises :class:`IngressRefused` (the call changed nothing); a
-transport failure or a 5xx raises :class:`IngressUnavailable` (the outcome is unknown, the call
-may be repeated: every call of the protocol is safe to repeat). A fenced batch longer than the
-ingress takes in one call is sent in consecutive calls of at most :data:`MAX_BATCH_ITEMS`."""
+A 4xx answer raises :class:`IngressRefused` at once, never repeated (the call changed nothing).
+A 5xx answer or a transport failure is repeated, with capped exponential backoff and jitter,
+for at most ``retry_budget_s``; then :class:`IngressUnavailable` is raised. Repeating is safe:
+a repeated completion answers ``already_completed``, a repeated renewal renews, a repeated
+abandon or release finds the lease already settled, and a repeated claim carries the same
+``held`` statement, which hands back whatever the lost answer had granted.
+
+A fenced batch longer than the ingress takes in one call is sent in consecutive calls of at
+most :data:`MAX_BATCH_ITEMS`."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+import random
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
 JsonValue = Any
-MAX_BATCH_ITEMS = 256  # the ingress's limit per fenced batch
+MAX_BATCH_ITEMS = 256  # the ingress's limit per fenced batch, and per claim's completions
+MAX_CLAIM = 256  # the most one claim asks for
+RETRY_INITIAL_S = 0.05  # the first pause before a call is repeated
+RETRY_CAP_S = 1.0  # the longest pause between two tries
+DEFAULT_RETRY_BUDGET_S = 30.0
+GIVE_UP_POLL_S = 0.05  # how often a pause between tries asks whether to give up
 
 
 class IngressUnavailable(Exception):
-    """The ingress could not be reached or failed; nothing is known about the outcome, unless
-    ``sent`` is false: then the request never left (no connection), and changed nothing."""
+    """The ingress could not be reached or kept failing for the whole retry budget; nothing is
+    known about the outcome, unless ``sent`` is false: then no request ever left (no
+    connection), and nothing changed."""
 
     def __init__(self, message: str, *, sent: bool = True) -> None:
         super().__init__(message)
@@ -53,51 +68,9 @@ class Registration:
 
 
 @dataclass(frozen=True, slots=True)
-class OfferData:
-    run_id: str
-    attempt_id: str
-    attempt_number: int
-    task: str
-    input: JsonValue
-    generation: int
-    version: int
-    expires_at_ms: int
-    idempotency_key: str
-
-
-@dataclass(frozen=True, slots=True)
 class Heartbeat:
     status: str
     now_ms: int
-    offers: tuple[OfferData, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class ItemAnswer:
-    attempt_id: str
-    status: int
-    outcome: str | None
-    expires_at_ms: int | None
-    error: str | None
-    reason: str | None
-    now_ms: int = 0  # the ingress's clock when it decided this item
-
-    @property
-    def ok(self) -> bool:
-        return self.status == 200
-
-    @property
-    def expires_in_s(self) -> float | None:
-        """How long the lease still had when the ingress answered (its own clock)."""
-        if self.expires_at_ms is None:
-            return None
-        return (self.expires_at_ms - self.now_ms) / 1000
-
-
-@dataclass(frozen=True, slots=True)
-class BatchResult:
-    now_ms: int
-    items: dict[str, ItemAnswer]
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +89,127 @@ class Fence:
         }
 
 
+@dataclass(frozen=True, slots=True)
+class GrantData:
+    """An Attempt a claim started for this session: its task may begin at once. The token was
+    minted by the node for this lease and is sent once, in the claim's answer."""
+
+    run_id: str
+    attempt_id: str
+    attempt_number: int
+    task: str
+    input: JsonValue
+    generation: int
+    version: int
+    token: str
+    expires_at_ms: int
+    idempotency_key: str
+
+    @property
+    def fence(self) -> Fence:
+        return Fence(
+            attempt_id=self.attempt_id,
+            generation=self.generation,
+            version=self.version,
+            token=self.token,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    fence: Fence
+    succeeded: bool
+    output: JsonValue = None
+    error: str | None = None
+
+    def body(self) -> dict[str, JsonValue]:
+        return {
+            **self.fence.body(),
+            "succeeded": self.succeeded,
+            "output": self.output if self.succeeded else None,
+            "error": None if self.succeeded else self.error,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    """Hand back an Attempt whose task never began here."""
+
+    fence: Fence
+    cause: str
+
+    def body(self) -> dict[str, JsonValue]:
+        return {**self.fence.body(), "cause": self.cause[:500]}
+
+
+@dataclass(frozen=True, slots=True)
+class Abandonment:
+    """A task that began here was stopped."""
+
+    fence: Fence
+    detail: str
+
+    def body(self) -> dict[str, JsonValue]:
+        return {**self.fence.body(), "detail": self.detail[:500]}
+
+
+@dataclass(frozen=True, slots=True)
+class ItemAnswer:
+    attempt_id: str
+    status: int
+    outcome: str | None
+    expires_at_ms: int | None
+    error: str | None  # the rejection: fence_rejected, invalid_state, conflict, invalid...
+    reason: str | None  # a fence rejection's reason: expired, released, token_mismatch...
+    now_ms: int = 0  # the ingress's clock when it decided this item
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200
+
+    @property
+    def expires_in_s(self) -> float | None:
+        """How long the lease still had when the ingress answered (its own clock)."""
+        if self.expires_at_ms is None:
+            return None
+        return (self.expires_at_ms - self.now_ms) / 1000
+
+
+@dataclass(frozen=True, slots=True)
+class BatchResult:
+    now_ms: int
+    items: dict[str, ItemAnswer]
+    sent_at: float = 0.0  # monotonic: when the request that got this answer was sent
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimResult:
+    """A claim's answer. ``completed`` answers the completions it carried, ``released`` names
+    the Attempts the node handed back because the ``held`` statement did not name them, and
+    ``no_grant`` says why a claim that asked for work got none."""
+
+    now_ms: int
+    status: str
+    completed: dict[str, ItemAnswer]
+    released: tuple[str, ...]
+    grants: tuple[GrantData, ...]
+    no_grant: str | None
+    detail: str | None
+    sent_at: float = 0.0  # monotonic: when the request that got this answer was sent
+
+    def expires_in_s(self, grant: GrantData) -> float:
+        return (grant.expires_at_ms - self.now_ms) / 1000
+
+
+@dataclass
+class _Tries:
+    """The tries of one call: when the last one left, whether any did."""
+
+    sent_at: float = 0.0
+    sent: bool = False
+    errors: list[str] = field(default_factory=list)
+
+
 class IngressClient:
     """One worker's connection to one ingress; holds the session once registered. Once
     registered, its calls may come from several threads (the HTTP client is shared)."""
@@ -127,36 +221,59 @@ class IngressClient:
         timeout_s: float = 5.0,
         registration_token: str | None = None,
         transport: httpx.BaseTransport | None = None,
+        retry_budget_s: float = DEFAULT_RETRY_BUDGET_S,
     ) -> None:
         self._http = httpx.Client(
             base_url=base_url.rstrip("/"), timeout=timeout_s, transport=transport
         )
+        self._timeout_s = timeout_s
         self._registration_token = registration_token
         self._session_id: str | None = None
         self._secret: str | None = None
+        self.retry_budget_s = retry_budget_s
+        # Asked between tries: true stops the repeating (the worker is stopping).
+        self.give_up: Callable[[], bool] = lambda: False
+        self._counter = threading.Lock()
+        self._other_calls = 0
 
     @property
     def session_id(self) -> str | None:
         return self._session_id
 
+    @property
+    def other_calls(self) -> int:
+        """How many calls of the session other than claims were sent so far: each ends a
+        claim parked at the node."""
+        return self._other_calls
+
     def set_timeout(self, timeout_s: float) -> None:
+        """The read timeout of every call but a claim's (which adds its own wait)."""
+        self._timeout_s = timeout_s
         self._http.timeout = httpx.Timeout(timeout_s)
 
     def close_connection(self) -> None:
         self._http.close()
 
-    # --- calls --------------------------------------------------------------------------------
+    # --- sessions -------------------------------------------------------------------------------
 
-    def register(self, worker_id: str, capacity: int, tasks: Sequence[str]) -> Registration:
+    def register(
+        self,
+        worker_id: str,
+        capacity: int,
+        tasks: Sequence[str],
+        *,
+        budget_s: float | None = None,
+    ) -> Registration:
         headers = (
             {"Authorization": f"Bearer {self._registration_token}"}
             if self._registration_token
             else {}
         )
-        body = self._post(
+        body, _ = self._post(
             "/v1/sessions",
             {"worker_id": worker_id, "capacity": capacity, "tasks": list(tasks)},
             headers=headers,
+            budget_s=budget_s,
         )
         grant = Registration(
             session_id=body["session_id"],
@@ -170,12 +287,8 @@ class IngressClient:
         return grant
 
     def heartbeat(self) -> Heartbeat:
-        body = self._session_post("heartbeat", None)
-        return Heartbeat(
-            status=body["status"],
-            now_ms=int(body["now_ms"]),
-            offers=tuple(OfferData(**offer) for offer in body["offers"]),
-        )
+        body, _ = self._session_post("heartbeat", None)
+        return Heartbeat(status=str(body["status"]), now_ms=int(body["now_ms"]))
 
     def drain(self) -> None:
         self._session_post("drain", None)
@@ -183,71 +296,89 @@ class IngressClient:
     def close(self) -> None:
         self._session_post("close", None)
 
-    def start(self, fences: Sequence[Fence]) -> BatchResult:
-        """Accept, cross the start barrier and mark running, in one step."""
-        return self._batch("start", [f.body() for f in fences])
+    # --- the claim ------------------------------------------------------------------------------
 
-    def accept(self, fences: Sequence[Fence]) -> BatchResult:
-        """Bind each fence's token to its lease; nothing is started."""
-        return self._batch("accept", [f.body() for f in fences])
+    def claim(
+        self,
+        limit: int,
+        wait_ms: int = 0,
+        held: Sequence[str] | None = None,
+        completions: Sequence[Completion] = (),
+    ) -> ClaimResult:
+        """Report ``completions``, state every Attempt the worker holds (``held``), and ask
+        for up to ``limit`` Attempts, waiting at the node for at most ``wait_ms`` if none is
+        queued. One call, one transaction at the node."""
+        if not 0 <= limit <= MAX_CLAIM:
+            raise ValueError(f"a claim asks for 0..{MAX_CLAIM} attempts")
+        if len(completions) > MAX_BATCH_ITEMS:
+            raise ValueError(f"a claim carries at most {MAX_BATCH_ITEMS} completions")
+        payload = {
+            "limit": limit,
+            "wait_ms": wait_ms,
+            "held": None if held is None else list(held),
+            "completions": [c.body() for c in completions],
+        }
+        body, tries = self._session_post(
+            "claim", payload, timeout_s=self._timeout_s + wait_ms / 1000
+        )
+        now_ms = int(body["now_ms"])
+        return ClaimResult(
+            now_ms=now_ms,
+            status=str(body["status"]),
+            completed=_items(body.get("completed") or [], now_ms),
+            released=tuple(body.get("released") or ()),
+            grants=tuple(GrantData(**grant) for grant in body.get("grants") or ()),
+            no_grant=body.get("no_grant"),
+            detail=body.get("detail"),
+            sent_at=tries.sent_at,
+        )
 
-    def activate(self, fences: Sequence[Fence]) -> BatchResult:
-        """Cross the start barrier of accepted offers and mark them running."""
-        return self._batch("activate", [f.body() for f in fences])
+    # --- fenced batches -------------------------------------------------------------------------
 
     def renew(self, fences: Sequence[Fence]) -> BatchResult:
         return self._batch("renew", [f.body() for f in fences])
 
-    def complete(self, items: Sequence[tuple[Fence, bool, JsonValue, str | None]]) -> BatchResult:
-        return self._batch(
-            "complete",
-            [
-                {**fence.body(), "succeeded": ok, "output": output if ok else None, "error": error}
-                for fence, ok, output, error in items
-            ],
-        )
+    def complete(self, items: Sequence[Completion]) -> BatchResult:
+        return self._batch("complete", [c.body() for c in items])
 
-    def abandon(self, items: Sequence[tuple[Fence, str]]) -> BatchResult:
-        return self._batch(
-            "abandon", [{**fence.body(), "detail": detail[:500]} for fence, detail in items]
-        )
+    def abandon(self, items: Sequence[Abandonment]) -> BatchResult:
+        return self._batch("abandon", [a.body() for a in items])
 
-    # --- plumbing -----------------------------------------------------------------------------
+    def release(self, items: Sequence[Release]) -> BatchResult:
+        return self._batch("release", [r.body() for r in items])
+
+    # --- plumbing -------------------------------------------------------------------------------
 
     def _batch(self, command: str, items: list[dict[str, JsonValue]]) -> BatchResult:
         answers: dict[str, ItemAnswer] = {}
-        first_now_ms: int | None = None
+        first: tuple[int, float] | None = None
         for start in range(0, len(items), MAX_BATCH_ITEMS):
-            try:
-                body = self._session_post(
-                    command, {"items": items[start : start + MAX_BATCH_ITEMS]}
-                )
-            except IngressUnavailable as error:
-                if start and not error.sent:  # the earlier calls of the batch did go out
-                    raise IngressUnavailable(str(error)) from None
-                raise
+            body, tries = self._session_post(
+                command, {"items": items[start : start + MAX_BATCH_ITEMS]}
+            )
             now_ms = int(body["now_ms"])
-            first_now_ms = now_ms if first_now_ms is None else first_now_ms
-            for item in body["results"]:
-                answer = ItemAnswer(
-                    attempt_id=item["attempt_id"],
-                    status=int(item["status"]),
-                    outcome=item.get("outcome"),
-                    expires_at_ms=item.get("expires_at_ms"),
-                    error=item.get("error"),
-                    reason=item.get("reason"),
-                    now_ms=now_ms,
-                )
-                answers[answer.attempt_id] = answer
-        return BatchResult(now_ms=first_now_ms or 0, items=answers)
+            first = first or (now_ms, tries.sent_at)
+            answers.update(_items(body["results"], now_ms))
+        now_ms, sent_at = first or (0, time.monotonic())
+        return BatchResult(now_ms=now_ms, items=answers, sent_at=sent_at)
 
-    def _session_post(self, command: str, payload: Mapping[str, JsonValue] | None) -> Any:
+    def _session_post(
+        self,
+        command: str,
+        payload: Mapping[str, JsonValue] | None,
+        *,
+        timeout_s: float | None = None,
+    ) -> tuple[Any, _Tries]:
         if self._session_id is None or self._secret is None:
             raise RuntimeError("register a session first")
+        if command != "claim":
+            with self._counter:
+                self._other_calls += 1
         return self._post(
             f"/v1/sessions/{self._session_id}/{command}",
             payload,
             headers={"Authorization": f"Bearer {self._secret}"},
+            timeout_s=timeout_s,
         )
 
     def _post(
@@ -256,9 +387,45 @@ class IngressClient:
         payload: Mapping[str, JsonValue] | None,
         *,
         headers: Mapping[str, str],
+        timeout_s: float | None = None,
+        budget_s: float | None = None,
+    ) -> tuple[Any, _Tries]:
+        """Send until answered: a 4xx raises at once; a 5xx or a transport failure is tried
+        again after a pause (doubling up to :data:`RETRY_CAP_S`, each drawn between half and
+        all of it), the last try when the budget is spent."""
+        budget = self.retry_budget_s if budget_s is None else budget_s
+        deadline = time.monotonic() + budget
+        pause = RETRY_INITIAL_S
+        tries = _Tries()
+        while True:
+            tries.sent_at = time.monotonic()
+            try:
+                return self._post_once(path, payload, headers, timeout_s), tries
+            except IngressUnavailable as error:
+                tries.sent = tries.sent or error.sent
+                tries.errors.append(str(error))
+                now = time.monotonic()
+                if now >= deadline or self.give_up():
+                    raise IngressUnavailable(
+                        f"the ingress did not answer {path.rsplit('/', 1)[-1]} within "
+                        f"{budget:.1f} s ({len(tries.errors)} tries): {error}",
+                        sent=tries.sent,
+                    ) from None
+                until = min(now + random.uniform(pause / 2, pause), deadline)
+                while (left := until - time.monotonic()) > 0 and not self.give_up():
+                    time.sleep(min(left, GIVE_UP_POLL_S))
+                pause = min(pause * 2, RETRY_CAP_S)
+
+    def _post_once(
+        self,
+        path: str,
+        payload: Mapping[str, JsonValue] | None,
+        headers: Mapping[str, str],
+        timeout_s: float | None,
     ) -> Any:
+        timeout = httpx.Timeout(timeout_s) if timeout_s is not None else httpx.USE_CLIENT_DEFAULT
         try:
-            response = self._http.post(path, json=payload, headers=dict(headers))
+            response = self._http.post(path, json=payload, headers=dict(headers), timeout=timeout)
         except (httpx.ConnectError, httpx.ConnectTimeout) as error:
             raise IngressUnavailable(f"{type(error).__name__}: {error}", sent=False) from None
         except httpx.HTTPError as error:
@@ -268,6 +435,8 @@ class IngressClient:
         try:
             body = response.json()
         except ValueError:
+            if response.status_code >= 400:  # refused, whatever the body says
+                raise IngressRefused(response.status_code, "refused", response.text[:200]) from None
             raise IngressUnavailable(
                 f"ingress answered {response.status_code} without JSON"
             ) from None
@@ -279,3 +448,19 @@ class IngressClient:
                 body.get("reason"),
             )
         return body
+
+
+def _items(results: Sequence[Mapping[str, Any]], now_ms: int) -> dict[str, ItemAnswer]:
+    answers = {}
+    for item in results:
+        answer = ItemAnswer(
+            attempt_id=item["attempt_id"],
+            status=int(item["status"]),
+            outcome=item.get("outcome"),
+            expires_at_ms=item.get("expires_at_ms"),
+            error=item.get("error"),
+            reason=item.get("reason"),
+            now_ms=now_ms,
+        )
+        answers[answer.attempt_id] = answer
+    return answers

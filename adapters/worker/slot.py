@@ -37,12 +37,14 @@ class Job:
 @dataclass(frozen=True, slots=True)
 class JobOutcome:
     """``killed`` when the slot stopped the task; otherwise succeeded with ``output`` or failed
-    with ``error``."""
+    with ``error``. ``started`` is false when the job never reached the child (it was
+    cancelled first, or the child was gone): then the task did not begin."""
 
     succeeded: bool
     output: Any = None
     error: str | None = None
     killed: bool = False
+    started: bool = True
 
 
 def _child_env() -> dict[str, str]:
@@ -102,11 +104,17 @@ class SlotProcess:
     def run(self, job: Job) -> JobOutcome:
         with self._lock:
             process = self._process
-            if process is None:
-                raise SlotError("the slot is not started")
             if job.attempt_id in self._cancelled:
                 self._cancelled.discard(job.attempt_id)
-                return JobOutcome(succeeded=False, error="stopped by the worker", killed=True)
+                return JobOutcome(
+                    succeeded=False, error="stopped by the worker", killed=True, started=False
+                )
+            if process is None or process.poll() is not None:
+                # The child is gone (killed while idle, say): the job never reached it, and
+                # ``pid`` is None from here on, so the slot starts a fresh child.
+                gone = "not started" if process is None else f"exited with {process.returncode}"
+                self._process = None
+                return JobOutcome(succeeded=False, error=f"the slot process {gone}", started=False)
             self._current = job.attempt_id
             self._killed = False
         assert process.stdin is not None and process.stdout is not None
@@ -118,8 +126,10 @@ class SlotProcess:
             "idempotency_key": job.idempotency_key,
         }
         line = b""
+        written = False
         try:
             _write_line(process.stdin, json.dumps(request).encode())
+            written = True
             line = process.stdout.readline()
         except (BrokenPipeError, OSError):
             line = b""
@@ -131,8 +141,14 @@ class SlotProcess:
             return JobOutcome(succeeded=False, error="stopped by the worker", killed=True)
         if not line:
             code = self._reap()
-            return JobOutcome(succeeded=False, error=f"the slot process exited with {code}")
-        answer = json.loads(line)
+            return JobOutcome(
+                succeeded=False, error=f"the slot process exited with {code}", started=written
+            )
+        try:
+            answer = json.loads(line)
+        except ValueError:
+            self._reap()
+            return JobOutcome(succeeded=False, error="the slot process answered garbage")
         if answer.get("ok"):
             return JobOutcome(succeeded=True, output=answer.get("output"))
         return JobOutcome(succeeded=False, error=str(answer.get("error") or "failed"))

@@ -168,11 +168,12 @@ class Cluster:
 
     def start_worker(self, prefix: str, worker_id: str, ledger: Ledger, *, concurrency: int = 1,
                      node: int = 0, name: str | None = None) -> Process:
+        """``ql3 worker`` with its defaults but the concurrency: its claims wait at the node
+        (a long poll) and pick work up as soon as it is queued."""
         return self._spawn(
             name or f"worker-{worker_id}-{len(self.processes)}",
             ["worker", "--ingress", self.nodes[node], "--app", "tests.e2e.tasks:app",
-             "--worker-id", worker_id, "--concurrency", str(concurrency),
-             "--poll-interval", "0.2"],
+             "--worker-id", worker_id, "--concurrency", str(concurrency)],
             env={"QL3_E2E_LEDGER": str(ledger.path), "QL3_E2E_PREFIX": prefix},
         )
 

@@ -1,5 +1,7 @@
 """End to end with real processes on PostgreSQL: ``ql3 serve`` nodes, ``ql3 worker`` processes
-that are SIGKILLed and SIGTERMed, and an old worker's fence sent over HTTP after recovery.
+that are SIGKILLed and SIGTERMed, an old worker's fence sent over HTTP after recovery, and
+workers (in this process, on the real node) that are drained while holding work that never
+began, or that lose a claim's answer.
 
 The first node's ingress connects as its own least-privilege role; the second node (test e)
 uses the node's own database URL for its ingress.
@@ -17,8 +19,16 @@ from typing import Any
 import httpx
 import pytest
 
+from adapters.worker.client import IngressClient
+from adapters.worker.ledger import Mode
+from adapters.worker.settings import WorkerSettings
 from domain.policy import Backoff, RetryPolicy, Safety
 from tests.e2e.conftest import CADENCE_S, LEASE_TTL_S, Cluster, Ledger, alive, wait_for
+from tests.worker.fakes import (
+    DropsFirstGrantingClaimAnswer,
+    PausesFirstGrantingClaimAnswer,
+    WorkerThread,
+)
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow]
 
@@ -118,7 +128,7 @@ def test_b_sigkill_waits_for_evidence_then_retries_only_the_safe_run(
 
 
 class OldWorker:
-    """A worker process as seen on the wire: it took an attempt, then stopped talking."""
+    """A worker process as seen on the wire: it claimed an attempt, then stopped talking."""
 
     def __init__(self, node: str, worker_id: str, task: str) -> None:
         self.http = httpx.Client(base_url=node, timeout=10)
@@ -134,23 +144,28 @@ class OldWorker:
                               headers=self.auth)
 
     def take_one(self) -> str:
-        offers: list[dict[str, Any]] = []
+        grants: list[dict[str, Any]] = []
 
-        def offered() -> bool:
-            offers.extend(self.post("heartbeat").json()["offers"])
-            return bool(offers)
+        def granted() -> bool:
+            answer = self.post("claim", {"limit": 1, "wait_ms": 1000})
+            assert answer.status_code == 200, answer.text
+            grants.extend(answer.json()["grants"])
+            return bool(grants)
 
-        wait_for(offered, 10, "an offer")
-        offer = offers[0]
-        self.fence = {"attempt_id": offer["attempt_id"], "generation": offer["generation"],
-                      "version": offer["version"], "token": "old-worker-token-" + "x" * 16}
-        started = self.post("start", {"items": [self.fence]}).json()
-        assert started["results"][0]["outcome"] == "running", started
-        return str(offer["attempt_id"])
+        wait_for(granted, 10, "a grant")
+        (grant,) = grants
+        self.fence = {k: grant[k] for k in ("attempt_id", "generation", "version", "token")}
+        return str(grant["attempt_id"])
 
-    def fenced(self, command: str, **extra: Any) -> httpx.Response:
-        body = {k: v for k, v in self.fence.items() if k != "attempt_id"}
-        return self.post(f"attempts/{self.fence['attempt_id']}/{command}", {**body, **extra})
+    def fenced(self, command: str, **extra: Any) -> tuple[int, str | None]:
+        """Send the old fence: the call's status and error when it was refused as a whole,
+        else its one item's."""
+        response = self.post(command, {"items": [{**self.fence, **extra}]})
+        body = response.json()
+        if response.status_code != 200:
+            return response.status_code, body.get("error")
+        (item,) = body["results"]
+        return int(item["status"]), item.get("error")
 
 
 def test_c_after_recovery_the_old_fence_gets_409_and_changes_nothing(
@@ -165,8 +180,8 @@ def test_c_after_recovery_the_old_fence_gets_409_and_changes_nothing(
     before = cluster.show(safe)
     assert [a["status"] for a in before["attempts"]] == ["lost", "succeeded"]
     for command, extra in (("renew", {}), ("complete", {"succeeded": True, "output": "late"})):
-        response = old.fenced(command, **extra)
-        assert response.status_code == 409, response.text
+        status, error = old.fenced(command, **extra)
+        assert (status, error) == (409, "session_rejected")  # its session was replaced
     assert cluster.show(safe) == before
 
     # 2. The session is still open, an operator attests the attempt stopped: the fence is void.
@@ -182,9 +197,7 @@ def test_c_after_recovery_the_old_fence_gets_409_and_changes_nothing(
     (lost,) = _events(before, "attempt_lost")
     assert lost["data"]["evidence"] == "operator_attested"
     for command, extra in (("renew", {}), ("complete", {"succeeded": True})):
-        response = partitioned.fenced(command, **extra)
-        assert response.status_code == 409, response.text
-        assert response.json()["error"] == "fence_rejected"
+        assert partitioned.fenced(command, **extra) == (409, "fence_rejected")
     assert cluster.show(bare) == before
     restarted.signal(signal.SIGTERM)
     assert restarted.wait() == 0
@@ -240,3 +253,115 @@ def test_e_two_nodes_recover_each_attempt_exactly_once(cluster: Cluster, ledger:
     second.signal(signal.SIGTERM)
     assert second.wait() == 0, second.output()
     assert "Finished server process" in second.output()
+
+
+def _in_process_worker(
+    cluster: Cluster, prefix: str, worker_id: str, transport: httpx.BaseTransport,
+    concurrency: int,
+) -> WorkerThread:
+    settings = WorkerSettings(
+        ingress_url=cluster.nodes[0],
+        app_spec="tests.e2e.tasks:app",
+        worker_id=worker_id,
+        tasks=tuple(f"{prefix}.{name}" for name in ("double", "sleep")),
+        concurrency=concurrency,
+    )
+    return WorkerThread(
+        settings, client_factory=lambda s: IngressClient(s.ingress_url, transport=transport)
+    ).start()
+
+
+def test_f_a_drain_hands_back_work_that_never_began(
+    cluster: Cluster, ledger: Ledger, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("QL3_E2E_LEDGER", str(ledger.path))
+    monkeypatch.setenv("QL3_E2E_PREFIX", "f")
+    runs = [cluster.submit("f.double", {"n": n}) for n in range(3)]  # no retry policy
+    workers: list[WorkerThread] = []
+
+    def drain_first() -> None:
+        # The worker is told to drain while the answer granting all three is on its way.
+        worker = workers[0].worker
+        worker.request_drain()
+        wait_for(lambda: worker.ledger.mode is Mode.DRAINING, 5, "the worker to drain")
+
+    transport = PausesFirstGrantingClaimAnswer(drain_first)
+    workers.append(_in_process_worker(cluster, "f", "worker-f", transport, concurrency=3))
+    assert workers[0].join(timeout=30) == 0
+    assert sorted(transport.paused[0]) == sorted(
+        cluster.show(r)["attempts"][0]["id"] for r in runs
+    )
+    assert workers[0].worker.released == 3
+    assert ledger.entries() == []  # none of them began
+    for run_id in runs:
+        document = cluster.show(run_id)
+        assert document["status"] == "queued"
+        (attempt,) = document["attempts"]
+        # Pristine again (same attempt, no lease of its own): its lease was released.
+        assert (attempt["status"], attempt["session_id"], attempt["lease"]) == (
+            "claimed", None, None
+        )
+        (released,) = _events(document, "attempt_released")
+        assert released["data"]["cause"] == "drain"
+        assert released["data"]["lease_version"] == 2
+        assert _events(document, "attempt_lost") == []
+    # Another worker runs them, each once, as the same attempt under a new lease generation.
+    other = cluster.start_worker("f", "worker-f2", ledger, concurrency=3)
+    cluster.wait_status(runs, {"succeeded"})
+    for n, run_id in enumerate(runs):
+        document = cluster.show(run_id)
+        assert document["output"] == {"doubled": 2 * n}
+        (attempt,) = document["attempts"]
+        assert (attempt["number"], attempt["status"]) == (1, "succeeded")
+        assert attempt["lease"]["generation"] == 2
+        assert len(ledger.entries("double", run_id)) == 1
+        assert _events(document, "attempt_lost") == []
+    other.signal(signal.SIGTERM)
+    assert other.wait() == 0, other.output()
+
+
+def test_g_a_lost_claim_answer_is_handed_back_while_the_worker_lives(
+    cluster: Cluster, ledger: Ledger, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("QL3_E2E_LEDGER", str(ledger.path))
+    monkeypatch.setenv("QL3_E2E_PREFIX", "g")
+    runs = [cluster.submit("g.sleep", {"seconds": 0.1}) for _ in range(2)]  # no retry policy
+    transport = DropsFirstGrantingClaimAnswer()
+    worker = _in_process_worker(cluster, "g", "worker-g", transport, concurrency=2)
+    cluster.wait_status(runs, {"succeeded", "failed"})
+    worker.worker.request_drain()
+    assert worker.join(timeout=30) == 0
+    attempt_ids = sorted(cluster.show(r)["attempts"][0]["id"] for r in runs)
+    assert sorted(transport.dropped[0]) == attempt_ids
+    for run_id in runs:
+        document = cluster.show(run_id)
+        assert document["status"] == "succeeded"
+        (attempt,) = document["attempts"]
+        assert (attempt["number"], attempt["status"]) == (1, "succeeded")
+        started = _events(document, "attempt_started")
+        (released,) = _events(document, "attempt_released")
+        assert released["data"]["cause"] == "not_held"
+        # The worker's next claim did not name it: handed back at once, not at lease expiry.
+        assert released["at"] - started[0]["at"] < LEASE_TTL_S * 1000
+        assert len(started) == 2
+        assert _events(document, "attempt_lost") == []
+        assert [e["attempt"] for e in ledger.entries("start", run_id)] == [1]
+
+
+def test_h_a_worker_whose_node_stays_away_gives_up(cluster: Cluster, ledger: Ledger) -> None:
+    index = len(cluster.nodes)
+    cluster.start_node()
+    (node,) = [p for p in cluster.processes if p.name == f"node-{index}"]
+    worker = cluster.start_worker("h", "worker-h", ledger, node=index)
+    wait_for(lambda: "registered session" in worker.output(), 20, "the worker to register")
+    node.signal(signal.SIGTERM)
+    assert node.wait() == 0, node.output()
+    stopped_at = time.monotonic()
+    # It keeps trying for the lease TTL (at least 5 s), then exits 1 with one line.
+    status = worker.wait(timeout=30)
+    waited = time.monotonic() - stopped_at
+    assert status == 1, worker.output()
+    assert max(LEASE_TTL_S, 5.0) - 1 < waited < 20, worker.output()
+    (line,) = [x for x in worker.output().splitlines() if x.startswith("ql3: ")]
+    assert "cannot reach the ingress" in line
+    assert "Traceback" not in worker.output()

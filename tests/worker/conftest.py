@@ -22,10 +22,13 @@ import pytest
 import uvicorn
 
 from adapters.memory import FakeClock, MemoryStore
-from adapters.worker.runtime import Worker, WorkerSettings
+from adapters.worker.settings import WorkerSettings
 from application.admission import Admission
 from application.identities import RandomIdentities
 from bootstrap import node as node_root
+from tests.worker.fakes import WorkerThread
+
+__all__ = ["WorkerThread"]
 
 LEASE_TTL_S = 1.5
 CADENCE_S = 0.2
@@ -64,10 +67,7 @@ class LocalNode:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> None:
-        container = node_root.build(
-            store=self.store, lease_ttl_s=LEASE_TTL_S, cadence_s=CADENCE_S,
-            session_silence_s=LEASE_TTL_S,
-        )
+        container = node_root.build(store=self.store, lease_ttl_s=LEASE_TTL_S, cadence_s=CADENCE_S)
         sock = node_root.bind_socket("127.0.0.1", self.port)
         self.port = sock.getsockname()[1]
         app = node_root.create_node_app(container)
@@ -145,38 +145,14 @@ def ledger(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Ledger:
     return Ledger(path)
 
 
-class WorkerThread:
-    """A :class:`Worker` run in a thread; ``result`` is its exit status or its exception."""
-
-    def __init__(self, settings: WorkerSettings, **options: Any) -> None:
-        self.worker = Worker(settings, **options)
-        self.result: int | BaseException | None = None
-        self.thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        try:
-            self.result = self.worker.run()
-        except BaseException as error:
-            self.result = error
-
-    def start(self) -> WorkerThread:
-        self.thread.start()
-        return self
-
-    def join(self, timeout: float = 30.0) -> int | BaseException | None:
-        self.thread.join(timeout)
-        assert not self.thread.is_alive(), "the worker did not finish"
-        return self.result
-
-
-def worker_settings(node: LocalNode, worker_id: str = "w1", concurrency: int = 1,
-                    **extra: Any) -> WorkerSettings:
+def worker_settings(
+    node: LocalNode, worker_id: str = "w1", concurrency: int = 1, **extra: Any
+) -> WorkerSettings:
     return WorkerSettings(
         ingress_url=node.url,
         app_spec="tests.e2e.tasks:app",
         worker_id=worker_id,
         tasks=("e2e.big", "e2e.double", "e2e.fail", "e2e.sleep"),
         concurrency=concurrency,
-        poll_interval_s=0.1,
         **extra,
     )

@@ -13,8 +13,14 @@ from tests.worker.conftest import Ledger
 
 
 def _job(task: str, payload: object, attempt_id: str = "a1", number: int = 1) -> Job:
-    return Job(attempt_id=attempt_id, run_id="r1", attempt_number=number,
-               idempotency_key="r1", task=task, input=payload)
+    return Job(
+        attempt_id=attempt_id,
+        run_id="r1",
+        attempt_number=number,
+        idempotency_key="r1",
+        task=task,
+        input=payload,
+    )
 
 
 def test_a_slot_runs_tasks_one_after_another(ledger: Ledger) -> None:
@@ -81,3 +87,33 @@ def test_a_job_stopped_before_it_reached_the_child_never_runs(ledger: Ledger) ->
         assert slot.run(_job("e2e.double", {"n": 1}, "a6")).output == {"doubled": 2}
     finally:
         slot.close()
+
+
+def test_a_job_for_a_child_that_died_while_idle_never_began(ledger: Ledger) -> None:
+    import signal
+
+    slot = SlotProcess("tests.e2e.tasks:app")
+    slot.start()
+    try:
+        pid = slot.pid
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while Path(f"/proc/{pid}").exists() and _state(pid) != "Z":
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        outcome = slot.run(_job("e2e.double", {"n": 1}, "a7"))
+        assert not outcome.started and not outcome.succeeded
+        assert slot.pid is None  # the slot knows to start a fresh child
+        assert ledger.entries() == []
+        slot.start()
+        assert slot.run(_job("e2e.double", {"n": 2}, "a8")).output == {"doubled": 4}
+    finally:
+        slot.close()
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, IndexError):
+        return "gone"

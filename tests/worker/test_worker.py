@@ -1,13 +1,13 @@
 """The worker SDK against a real node (HTTP, scheduler lifecycle) in this process: it runs tasks
-in its slots, renews in the background, fences itself when it cannot renew, drains, and stops
-when its session is taken over."""
+in its slots, renews in the background, fences itself when it cannot renew, drains, stops when
+its session is taken over, and gets back what a lost claim answer granted."""
 
 from __future__ import annotations
 
 import time
 
-from adapters.worker.client import IngressClient, IngressUnavailable
-from adapters.worker.runtime import WorkerFailed
+from adapters.worker.client import IngressClient
+from adapters.worker.settings import WorkerFailed
 from domain.model import AttemptStatus, LeaseStatus, ReleaseReason, RunStatus, SessionStatus
 from domain.policy import Backoff, RetryPolicy, Safety
 from tests.worker.conftest import (
@@ -17,9 +17,14 @@ from tests.worker.conftest import (
     WorkerThread,
     worker_settings,
 )
+from tests.worker.fakes import DropsFirstGrantingClaimAnswer
 
-SAFE = RetryPolicy(retry_on_lost=True, max_attempts=3, safety=Safety.IDEMPOTENT,
-                   backoff=Backoff(initial_ms=0, cap_ms=0))
+SAFE = RetryPolicy(
+    retry_on_lost=True,
+    max_attempts=3,
+    safety=Safety.IDEMPOTENT,
+    backoff=Backoff(initial_ms=0, cap_ms=0),
+)
 
 
 def _terminal(node: LocalNode, run_ids: list[str]) -> bool:
@@ -38,7 +43,9 @@ def test_tasks_run_and_complete_with_their_outputs(node: LocalNode, ledger: Ledg
         assert run.status is RunStatus.SUCCEEDED and run.output == {"doubled": 2 * n}
         (lease,) = node.leases(run_id)
         assert (lease.status, lease.release_reason, lease.version) == (
-            LeaseStatus.RELEASED, ReleaseReason.COMPLETED, 2
+            LeaseStatus.RELEASED,
+            ReleaseReason.COMPLETED,
+            2,
         )
     assert node.run(failing).status is RunStatus.FAILED
     assert node.run(failing).error == "RuntimeError: nope"
@@ -96,8 +103,12 @@ def test_self_fencing_stops_the_task_when_the_ingress_is_gone(
         time.sleep(0.02)
     assert ledger.entries("end") == []
     node.start()  # same port, same store: the worker reports what it stopped
-    node.wait_for(lambda: "evidence_recorded" in node.events(run_id)
-                  or node.attempts(run_id)[0].status is AttemptStatus.LOST)
+    node.wait_for(
+        lambda: (
+            "evidence_recorded" in node.events(run_id)
+            or node.attempts(run_id)[0].status is AttemptStatus.LOST
+        )
+    )
     # With the evidence, recovery loses attempt 1 and the safe run is retried and runs again.
     node.wait_for(lambda: len(node.attempts(run_id)) == 2, timeout=20)
     first = node.attempts(run_id)[0]
@@ -130,34 +141,34 @@ def test_a_worker_whose_session_is_replaced_stops(node: LocalNode, ledger: Ledge
     intruder.close_connection()
 
 
-class LosesFirstStartAnswer(IngressClient):
-    """The first start reaches the ingress, but its answer never comes back."""
-
-    lost = 0
-
-    def start(self, fences):  # type: ignore[no-untyped-def]
-        answer = super().start(fences)
-        if not LosesFirstStartAnswer.lost:
-            LosesFirstStartAnswer.lost += 1
-            raise IngressUnavailable("connection reset")
-        return answer
-
-
-def test_a_lost_start_answer_is_repeated_with_the_same_fence(
+def test_a_lost_claim_answer_is_handed_back_by_the_next_claim(
     node: LocalNode, ledger: Ledger
 ) -> None:
-    LosesFirstStartAnswer.lost = 0
     run_id = node.admission.submit("e2e.double", {"n": 5})
+    transport = DropsFirstGrantingClaimAnswer()
     worker = WorkerThread(
         worker_settings(node),
-        client_factory=lambda s: LosesFirstStartAnswer(s.ingress_url),
+        client_factory=lambda s: IngressClient(s.ingress_url, transport=transport),
     ).start()
     node.wait_for(lambda: node.run(run_id).status.is_terminal)
     worker.worker.request_drain()
     assert worker.join() == 0
-    assert LosesFirstStartAnswer.lost == 1
+    (attempt,) = node.attempts(run_id)
+    assert transport.dropped == [[attempt.id]]
+    # The repeated claim did not name it: the node handed it back at once (no lost verdict,
+    # no wait for the lease to expire), and the same Attempt was claimed again and ran once.
     assert node.run(run_id).status is RunStatus.SUCCEEDED
-    assert [a.number for a in node.attempts(run_id)] == [1]
+    assert attempt.number == 1 and attempt.status is AttemptStatus.SUCCEEDED
+    assert [(le.generation, le.release_reason) for le in node.leases(run_id)] == [
+        (1, ReleaseReason.HANDED_BACK),
+        (2, ReleaseReason.COMPLETED),
+    ]
+    with node.store.unit_of_work() as uow:
+        released = [
+            e.event for e in uow.runs.events_of(run_id) if e.event.type.value == "attempt_released"
+        ]
+    assert [e.data["cause"] for e in released] == ["not_held"]
+    assert "attempt_lost" not in node.events(run_id)
     assert len(ledger.entries("double")) == 1
 
 
