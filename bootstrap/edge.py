@@ -22,7 +22,6 @@ EDGE_DEFAULTS: dict[str, object] = {
     "resident_cadence_s": None,
     "startup_page_size": 8,
     "due_retry_page_size": 4,
-    "dispatch_page_size": 4,
     "trigger_page_size": 4,
     "workflow_page_size": 4,
 }

@@ -1,9 +1,10 @@
 """The Standalone profile: one process, an embedded SQLite store, in-process execution.
 
 The process (:class:`adapters.standalone.StandaloneRunner`) takes the database's exclusive lock,
-runs startup recovery at boot with its own page budget and then one loop: due retries, the inner
-scheduler, and the in-process pool driven through the worker protocol. It never builds the
-Cluster's runtime recovery or lost retry steps, nor loads the PostgreSQL adapter.
+runs startup recovery at boot with its own page budget and then one loop: the in-process pool
+claims its work through the worker protocol (ADR 0007), and the cadence runs due retries and the
+inner scheduler. It never builds the Cluster's runtime recovery or lost retry steps, nor loads
+the PostgreSQL adapter.
 
 ``database_path`` None is a private in-memory database (tests and throw-away containers)."""
 
@@ -98,7 +99,6 @@ class StandaloneContainer(containers.DeclarativeContainer):
         coordinator=coordinator,
         startup=startup_recovery,
         due_times=store,
-        identities=core.identities,
         settings=runner_settings,
         exclusive=providers.Factory(exclusive_access, config.database_path),
         open_wake=providers.Callable(wake_opener, store),

@@ -345,8 +345,6 @@ class _ClusterProfile(_Profile):
             self.worker_id,
             "--concurrency",
             "5",
-            "--poll-interval",
-            "0.2",
             "--drain-timeout",
             "10",
             "--log-level",

@@ -49,13 +49,6 @@ def _configure_logging(level: str) -> None:
     show_default=True,
     help="Seconds a dispatch lease lives without renewal.",
 )
-@click.option(
-    "--session-silence",
-    type=positive,
-    default=None,
-    help="Seconds without heartbeat after which a session gets no offers [default: the lease TTL].",
-)
-@click.option("--dispatch-page-size", type=click.IntRange(1, 64), default=16, show_default=True)
 @click.option("--max-body-bytes", type=click.IntRange(1024), default=1024 * 1024, show_default=True)
 @click.option("--database-url", "database_url", default=None, help="Defaults to $QL3_DATABASE_URL.")
 @click.option(
@@ -76,8 +69,6 @@ def serve(
     port: int,
     cadence: float,
     lease_ttl: float,
-    session_silence: float | None,
-    dispatch_page_size: int,
     max_body_bytes: int,
     database_url: str | None,
     ingress_database_url: str | None,
@@ -86,8 +77,10 @@ def serve(
 ) -> None:
     """Run a cluster node: the scheduler cadence and the worker ingress in one process.
 
-    Several nodes may share one database. Set $QL3_REGISTRATION_TOKEN to make workers present
-    that token to register. Stops on SIGTERM or SIGINT."""
+    Workers claim work over the ingress; the node wakes their waiting claims on every NOTIFY
+    of the database's dispatch channel. Several nodes may share one database. Set
+    $QL3_REGISTRATION_TOKEN to make workers present that token to register. Stops on SIGTERM
+    or SIGINT."""
     from adapters.cli.main import Failure, _database_url
     from bootstrap import node
 
@@ -101,8 +94,6 @@ def serve(
         ingress_database_url=ingress_url,
         cadence_s=cadence,
         lease_ttl_s=lease_ttl,
-        session_silence_s=session_silence or lease_ttl,
-        dispatch_page_size=dispatch_page_size,
         max_body_bytes=max_body_bytes,
         registration_token=os.environ.get("QL3_REGISTRATION_TOKEN") or None,
     )
@@ -152,17 +143,6 @@ def serve(
     help="Tasks run at once, each in its own child process.",
 )
 @click.option(
-    "--prefetch",
-    type=click.IntRange(0, 1023),
-    default=0,
-    show_default=True,
-    help="Attempts accepted beyond the free slots and queued here until a slot "
-    "frees; the session asks for concurrency + prefetch. Raises the throughput of "
-    "short tasks (try 4 x concurrency). Queued attempts never started: a drain hands "
-    "them back and a crash leaves them to recovery, and either way the runtime "
-    "retries them only as their retry policy allows. 0 disables it.",
-)
-@click.option(
     "--drain-timeout",
     type=positive,
     default=30.0,
@@ -171,10 +151,11 @@ def serve(
 )
 @click.option(
     "--poll-interval",
-    type=positive,
-    default=0.5,
-    show_default=True,
-    help="Longest wait between asks for work while a slot is free.",
+    type=click.FloatRange(min=0, min_open=True, max=30),
+    default=None,
+    help="Longest a claim waits at the node for work (a long poll: the node answers as "
+    "soon as work is queued) before it is made again [default: 10, or a third of the "
+    "lease TTL if shorter].",
 )
 @click.option(
     "--register-timeout",
@@ -194,25 +175,22 @@ def worker(
     app_spec: str,
     worker_id: str,
     concurrency: int,
-    prefetch: int,
     drain_timeout: float,
-    poll_interval: float,
+    poll_interval: float | None,
     register_timeout: float,
     log_level: str,
 ) -> None:
-    """Run tasks from a node's ingress. SIGTERM (or ^C) drains: no new work, queued attempts
-    are handed back, running tasks finish, the session closes; a second signal stops the tasks
-    at once."""
+    """Run tasks from a node's ingress: claim work for the free slots, run each task in its
+    slot's child process, report it. SIGTERM (or ^C) drains: no new work, running tasks
+    finish, work granted that never began is handed back, the session closes; a second signal
+    stops the tasks at once. Exits 1 when the session is lost or the ingress stays
+    unreachable for the lease TTL (at least 5 s)."""
     from adapters.cli.main import Failure
     from adapters.execution import AppLoadError, load_app
-    from adapters.worker.runtime import MAX_CAPACITY, Worker, WorkerFailed, WorkerSettings
+    from adapters.worker.runtime import Worker, WorkerFailed, WorkerSettings
 
     if not ingress_url.startswith(("http://", "https://")):
         raise click.BadParameter("must start with http:// or https://", param_hint="--ingress")
-    if concurrency + prefetch > MAX_CAPACITY:
-        raise click.BadParameter(
-            f"concurrency + prefetch must be at most {MAX_CAPACITY}", param_hint="--prefetch"
-        )
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # --app names a module of the current directory
     try:
@@ -226,7 +204,6 @@ def worker(
         worker_id=worker_id,
         tasks=tuple(sorted(tasks)),
         concurrency=concurrency,
-        prefetch=prefetch,
         drain_timeout_s=drain_timeout,
         poll_interval_s=poll_interval,
         register_timeout_s=register_timeout,

@@ -1,8 +1,10 @@
 """``ql3 standalone``: one process that schedules and executes the work of an embedded SQLite
 database (runs admitted with ``ql3 submit --database-url sqlite:///PATH``, triggers, workflows),
-until SIGTERM or SIGINT; then it drains and exits 0. ``--edge`` runs the Edge profile: smaller
-page budgets and no resident wake-ups. Beside the database it keeps ``PATH.lock`` (one executing
-process per database) and ``PATH.wake`` (the named pipe a submit wakes it through)."""
+until SIGTERM or SIGINT; then it drains and exits 0. Its in-process pool claims queued work
+through the worker protocol (ADR 0007), up to ``--capacity`` tasks at once. ``--edge`` runs the
+Edge profile: smaller page budgets and no resident wake-ups. Beside the database it keeps
+``PATH.lock`` (one executing process per database) and ``PATH.wake`` (the named pipe through
+which every commit that queues a Run wakes it)."""
 
 from __future__ import annotations
 
@@ -58,7 +60,12 @@ def _importable_cwd() -> None:
     help="The SQLite database file (created when missing).",
 )
 @click.option("--edge", is_flag=True, help="Run the Edge profile: no resident wake-ups.")
-@click.option("--capacity", type=click.IntRange(1, 1024), default=None, help="Tasks at once.")
+@click.option(
+    "--capacity",
+    type=click.IntRange(1, 1024),
+    default=None,
+    help="Tasks executed at once: each claim asks for the free ones [default: 4; Edge 2].",
+)
 @click.option(
     "--lease-ttl",
     type=click.FloatRange(0.3, 3600),

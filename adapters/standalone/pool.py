@@ -2,9 +2,10 @@
 
 The pool only runs task code. It never touches the store: each finished task leaves its outcome
 in a queue and calls ``notify`` so that the runner's loop (the one thread that speaks to the
-store) reports it through the fenced worker commands. Threads are daemons: a process that stops
-before a task returns does not wait for it (the task's Attempt is then abandoned or, after a
-crash, recovered at the next boot).
+store) reports it through the worker protocol. Its threads are started as they are first needed
+and then kept, each taking the next task when it is free: no thread is started per Attempt.
+Threads are daemons: a process that stops before a task returns does not wait for it (the
+task's Attempt is then abandoned or, after a crash, recovered at the next boot).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from adapters.execution import TaskContext, TaskMapping, invoke_task
-from application.worker_commands import Offer
+from application.worker_commands import Grant
 from domain.fence import LeaseFence
 from domain.model import JsonValue
 
@@ -34,13 +35,21 @@ class Outcome:
 
 @dataclass(slots=True)
 class Execution:
-    """An Attempt this process started: its offer, its fence and when to renew its lease."""
+    """An Attempt a claim started for this process: its grant (with the fence) and when to
+    renew its lease."""
 
-    offer: Offer
-    fence: LeaseFence
+    grant: Grant
     renew_at: float
-    thread: threading.Thread | None = None
     orphaned: bool = False
+
+    @property
+    def fence(self) -> LeaseFence:
+        return self.grant.fence
+
+    @property
+    def label(self) -> str:
+        grant = self.grant
+        return f"run {grant.run_id} attempt {grant.attempt_number} ({grant.task})"
 
 
 def describe_error(error: BaseException) -> str:
@@ -49,28 +58,40 @@ def describe_error(error: BaseException) -> str:
 
 
 class InProcessPool:
-    """Runs each started Attempt's task on a daemon thread of its own. How many run at once is
-    bounded upstream: dispatch offers a session no more Attempts than its capacity."""
+    """Runs each started Attempt's task on a thread of the pool. How many run at once is bounded
+    upstream: the runner claims no more Attempts than its free capacity, so the pool never holds
+    more threads than the most tasks that ran at once."""
 
     def __init__(self, tasks: TaskMapping, notify: Callable[[], None]) -> None:
         self._tasks = dict(tasks)
         self._notify = notify
         self._finished: queue.SimpleQueue[Outcome] = queue.SimpleQueue()
+        self._work: queue.SimpleQueue[Grant] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._idle = 0
+        self._threads = 0
 
     @property
     def task_names(self) -> list[str]:
         return sorted(self._tasks)
 
+    @property
+    def threads(self) -> int:
+        return self._threads
+
     def start(self, execution: Execution) -> None:
-        offer = execution.offer
-        thread = threading.Thread(
-            target=self._execute,
-            args=(offer,),
-            name=f"ql3-task-{offer.task}-{offer.attempt_id[:8]}",
-            daemon=True,
-        )
-        execution.thread = thread
-        thread.start()
+        """Hand the task to an idle thread, or to a new one; raises (``RuntimeError``) when no
+        thread is idle and none can be started."""
+        with self._lock:
+            if self._idle == 0:
+                thread = threading.Thread(
+                    target=self._serve, name=f"ql3-pool-{self._threads + 1}", daemon=True
+                )
+                thread.start()
+                self._threads += 1
+                self._idle += 1
+            self._idle -= 1
+        self._work.put(execution.grant)
 
     def finished(self) -> list[Outcome]:
         """Outcomes of tasks that returned since the last call."""
@@ -81,19 +102,27 @@ class InProcessPool:
             except queue.Empty:
                 return outcomes
 
-    def _execute(self, offer: Offer) -> None:
+    def _serve(self) -> None:
+        while True:
+            grant = self._work.get()
+            outcome = self._execute(grant)
+            # Idle again before the runner learns of the outcome: the slot it frees has a thread.
+            with self._lock:
+                self._idle += 1
+            self._finished.put(outcome)
+            self._notify()
+
+    def _execute(self, grant: Grant) -> Outcome:
         context = TaskContext(
-            run_id=offer.run_id,
-            attempt_number=offer.attempt_number,
-            idempotency_key=offer.idempotency_key,
+            run_id=grant.run_id,
+            attempt_number=grant.attempt_number,
+            idempotency_key=grant.idempotency_key,
         )
         try:
-            function = self._tasks[offer.task]
-            output = invoke_task(function, offer.input, context)
-            outcome = Outcome(attempt_id=offer.attempt_id, succeeded=True, output=output)
+            function = self._tasks[grant.task]
+            output = invoke_task(function, grant.input, context)
+            return Outcome(attempt_id=grant.attempt_id, succeeded=True, output=output)
         except BaseException as error:  # task code may raise anything; it fails the Attempt
-            outcome = Outcome(
-                attempt_id=offer.attempt_id, succeeded=False, error=describe_error(error)
+            return Outcome(
+                attempt_id=grant.attempt_id, succeeded=False, error=describe_error(error)
             )
-        self._finished.put(outcome)
-        self._notify()

@@ -1,5 +1,5 @@
-"""The Standalone and Edge process: boot with startup recovery, then one loop that runs the
-cadence and drives the in-process pool through the worker protocol.
+"""The Standalone and Edge process: boot with startup recovery, then one loop that claims work
+for the in-process pool through the worker protocol and runs the cadence.
 
 Boot
     1. Take the database's exclusive lock (:mod:`adapters.standalone.exclusive`): from here on no
@@ -17,26 +17,38 @@ Boot
 
 Loop
     One thread (the caller of :meth:`StandaloneRunner.serve`) is the only one that speaks to the
-    store. A cycle is: heartbeat, the coordinator's steps (due retries, trigger schedule,
-    workflow frontier, task attempt admission), then every offer the session received is
-    accepted, activated (the start barrier) and marked running in one batch, and handed to the
-    pool. Leases of running Attempts are renewed every third of the TTL; outcomes are reported
-    with the fenced completion. All of these are the worker protocol's commands
+    store, through the worker protocol's commands
     (:class:`application.worker_commands.WorkerCommands`), so the same transitions apply as for a
-    remote worker.
+    remote worker (ADR 0007):
 
-    Between cycles the loop blocks in ``select`` on the database's wake channel and its own
-    pipe. Standalone (``resident_cadence_s`` set) also wakes on that cadence. Edge
-    (``resident_cadence_s`` None) has no resident wake-up: an idle Edge process sleeps until a
-    submit pokes the wake channel, a task finishes, a lease needs renewing, or the next due time
-    (a retry's ``next_attempt_at_ms``, a trigger's next firing, the boot's second recovery pass)
-    arrives.
+    - Work is pulled: one ``claim`` asks for the pool's free capacity, carries the completions of
+      the tasks that finished since the last call and states what the pool holds (``held``), all
+      in one transaction; every Attempt it grants is started on the pool at once. The loop claims
+      when something may be queued for it (after boot, a wake-up, a cycle that queued work, or a
+      claim that filled its whole limit) and it has free capacity. Finished tasks otherwise
+      complete with ``complete_many``.
+    - Leases of running Attempts are renewed (``renew_many``) every third of the TTL; the
+      session's heartbeat (``poll``) rides a cycle at most that often.
+    - The cadence (:class:`adapters.standalone.steps.StandaloneCoordinator`: due retries,
+      trigger schedule, workflow frontier, task attempt admission, the dispatch gate step) runs
+      on the resident cadence, when a due time the store names is reached, and after wake-ups
+      and finished tasks (a workflow's next step), but at most once per ``MIN_CYCLE_GAP_S``:
+      a busy loop pays for the cadence a few times a second, not once per Run.
+
+    Between passes the loop blocks in ``select`` on the database's wake channel and its own
+    pipe. A commit that queues a Run pokes the wake channel (the store does), so an admission
+    from any process is claimed within milliseconds, without polling. Standalone
+    (``resident_cadence_s`` set) also wakes on that cadence. Edge (``resident_cadence_s`` None)
+    has no resident wake-up: an idle Edge process sleeps until the wake channel is poked, a task
+    finishes, a lease needs renewing, or the next due time (a retry's ``next_attempt_at_ms``, a
+    trigger's next firing, the boot's second recovery pass) arrives.
 
 Stop
     :meth:`StandaloneRunner.request_stop` (signal-safe) ends the loop: the session drains (no new
-    offers), running tasks get up to ``drain_timeout_s`` to finish (a second request cuts this
-    short), any still running are abandoned (lost with the worker's own report as evidence), and
-    the session is closed.
+    claims), a grant that arrives meanwhile is handed back unstarted (``release_many``), running
+    tasks get up to ``drain_timeout_s`` to finish (a second request cuts this short), any still
+    running are abandoned (lost with the worker's own report as evidence), and the session is
+    closed.
 """
 
 from __future__ import annotations
@@ -47,33 +59,44 @@ import os
 import select
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from adapters.execution import TaskMapping
 from adapters.standalone.pool import Execution, InProcessPool, Outcome, describe_error
-from application.ports import Identities
 from application.scheduler import Coordinator, CycleSummary
 from application.startup import StartupRecovery, StartupReport
 from application.worker_commands import (
+    MAX_BATCH_ITEMS,
+    MAX_CLAIM,
     Abandonment,
-    BatchOutcome,
+    ClaimAnswer,
     Completion,
+    ItemResult,
+    NoGrant,
+    Release,
     SessionGrant,
-    StartStage,
     WorkerCommands,
 )
 from domain.errors import DomainError
-from domain.fence import LeaseFence
 
 Emit = Callable[[str], None]
 
-# After a failed cycle (say, the database stayed locked), try again this much later.
+# After a failed cycle or call (say, the database stayed locked), try again this much later.
 RETRY_FAILED_CYCLE_S = 1.0
 # Something is due but a cycle could not start it (a broken trigger, say): look again this much
 # later instead of spinning.
 NO_PROGRESS_BACKOFF_S = 5.0
+# Cycles asked for by wake-ups and finished tasks run at most this often.
+MIN_CYCLE_GAP_S = 0.25
+# The count of a cycle step that says it queued a Run: the loop claims after such a cycle.
+_QUEUED_WORK = (
+    ("due_retries", "attempts_created"),
+    ("trigger_schedule", "runs_admitted"),
+    ("workflow_frontier", "steps_admitted"),
+    ("task_attempt_admission", "gate_opened"),
+)
 
 
 class DueTimes(Protocol):
@@ -130,12 +153,21 @@ class BootReport:
 
 @dataclass(slots=True)
 class _Schedule:
-    """When the loop must act next: ``next_resident`` and ``retry_failed`` in the loop's
-    monotonic seconds (None: not scheduled), ``due_at_ms`` by the store's clock."""
+    """When the loop must act next. Times in the loop's monotonic seconds (None: not
+    scheduled), except ``due_at_ms``, by the store's clock.
 
-    cycle_now: bool = True
+    ``cycle_requested``: a wake-up or a finished task asked for a cycle, which runs once
+    ``MIN_CYCLE_GAP_S`` has passed since ``last_cycle_at``. ``claim_due``: something may be
+    queued for this process. ``call_retry_at``: a claim or completion failed; the next one waits
+    until then."""
+
+    cycle_requested: bool = True
+    last_cycle_at: float | None = None
     next_resident: float | None = None
     retry_failed: float | None = None
+    claim_due: bool = True
+    call_retry_at: float | None = None
+    last_heartbeat_at: float = 0.0
     due_at_ms: dict[str, int] = field(default_factory=dict)
 
 
@@ -148,7 +180,6 @@ class StandaloneRunner:
         coordinator: Coordinator,
         startup: StartupRecovery,
         due_times: DueTimes,
-        identities: Identities,
         settings: RunnerSettings,
         exclusive: ExclusiveAccess | None = None,
         open_wake: Callable[[], WakeSource] | None = None,
@@ -160,7 +191,6 @@ class StandaloneRunner:
         self._coordinator = coordinator
         self._startup = startup
         self._due_times = due_times
-        self._identities = identities
         self.settings = settings
         self._exclusive = exclusive
         self._open_wake = open_wake
@@ -174,6 +204,7 @@ class StandaloneRunner:
         self._in_flight: dict[str, Execution] = {}
         self._unreported: list[Outcome] = []
         self._schedule = _Schedule()
+        self._gate_reason: str | None = None
         self._stop_requested = threading.Event()
         self._hurry = threading.Event()
         self._cycle_requested = threading.Event()
@@ -181,6 +212,7 @@ class StandaloneRunner:
         self._closed = False
         self.cycles = 0
         self.wakeups = 0
+        self.claims = 0
         self.last_summary: CycleSummary | None = None
 
     # --- public ---------------------------------------------------------------------------------
@@ -208,6 +240,7 @@ class StandaloneRunner:
                 self.settings.worker_id, self.settings.capacity, self._pool.task_names
             )
             self._grant = grant
+            self._schedule.last_heartbeat_at = time.monotonic()
             report = self._startup.run()
             second_pass = self._schedule_second_pass()
         except BaseException:
@@ -258,32 +291,43 @@ class StandaloneRunner:
         self._poke_self()
 
     def wake(self) -> None:
-        """Ask for a cycle now (what a poke of the wake channel does). Thread-safe."""
+        """Ask for a claim and a cycle now (what a poke of the wake channel does).
+        Thread-safe."""
         self._cycle_requested.set()
         self._poke_self()
 
     # --- the loop -------------------------------------------------------------------------------
 
     def _step(self) -> None:
-        self._report_finished()
+        self._unreported.extend(self._pool.finished())
         self._renew_due_leases()
-        now = time.monotonic()
-        schedule = self._schedule
-        due = schedule.cycle_now or any(
-            at is not None and at <= now for at in (schedule.next_resident, schedule.retry_failed)
-        )
-        store_due = self._store_due()
-        if store_due is not None and store_due <= self._due_times.now_ms():
-            due = True
-        if due:
+        self._exchange()
+        if self._cycle_due():
             self._cycle()
+            self._exchange()
+
+    def _cycle_due(self) -> bool:
+        schedule = self._schedule
+        now = time.monotonic()
+        if schedule.cycle_requested and (
+            schedule.last_cycle_at is None or now >= schedule.last_cycle_at + MIN_CYCLE_GAP_S
+        ):
+            return True
+        if any(
+            at is not None and at <= now for at in (schedule.next_resident, schedule.retry_failed)
+        ):
+            return True
+        store_due = self._store_due()
+        return store_due is not None and store_due <= self._due_times.now_ms()
 
     def _cycle(self) -> None:
         schedule = self._schedule
-        schedule.cycle_now = False
+        now = time.monotonic()
+        schedule.cycle_requested = False
         schedule.retry_failed = None
+        schedule.last_cycle_at = now
         cadence = self.settings.resident_cadence_s
-        schedule.next_resident = time.monotonic() + cadence if cadence is not None else None
+        schedule.next_resident = now + cadence if cadence is not None else None
         self.cycles += 1
         try:
             if self._second_pass_due():
@@ -296,7 +340,8 @@ class StandaloneRunner:
                     + (counts or "nothing to recover")
                 )
                 self._schedule_second_pass()
-            self._take_offers()  # the heartbeat first: dispatch skips silent sessions
+                schedule.claim_due = True
+            self._heartbeat(now)
             summary = self._coordinator.run_cycle()
             self.last_summary = summary
             if not summary.ok:
@@ -305,57 +350,49 @@ class StandaloneRunner:
                     f"cycle stopped at {summary.aborted_at}: {failed.error if failed else ''}"
                 )
                 schedule.retry_failed = time.monotonic() + RETRY_FAILED_CYCLE_S
-            self._take_offers()
+            if self._wake is None or any(
+                (step := summary.step(name)) is not None and step.counts.get(key, 0)
+                for name, key in _QUEUED_WORK
+            ):
+                # Without a wake channel the loop cannot hear admissions: claim every cycle.
+                schedule.claim_due = True
             self._refresh_due_times(summary)
-            dispatch = summary.step("task_attempt_admission")
-            offered = dispatch.counts.get("offered", 0) if dispatch is not None else 0
-            if offered and len(self._in_flight) < self.settings.capacity:
-                # Work was dispatched and capacity is left: more may be waiting.
-                schedule.cycle_now = True
         except Exception as error:  # the database stayed locked, and the like: try again soon
             self._emit(f"cycle failed: {describe_error(error)}")
             schedule.retry_failed = time.monotonic() + RETRY_FAILED_CYCLE_S
 
-    def _take_offers(self) -> int:
-        """Heartbeat, then start every offer received (accept, the start barrier, running) in
-        one batch and hand each started Attempt to the pool. Returns how many started."""
+    def _heartbeat(self, now: float) -> None:
+        """Liveness of the session, at most once per renewal interval (a claim says nothing
+        about it)."""
+        schedule = self._schedule
+        if now - schedule.last_heartbeat_at < self._renew_every():
+            return
         grant = self._require_session()
-        offers = self._commands.heartbeat(grant.session_id, grant.secret)
-        if not offers:
-            return 0
-        fences = [
-            LeaseFence(
-                attempt_id=offer.attempt_id,
-                generation=offer.generation,
-                version=offer.version,
-                token=self._identities.new_secret(),
-            )
-            for offer in offers
-        ]
-        answer = self._commands.start_many(
-            grant.session_id, grant.secret, fences, StartStage.STARTED
-        )
-        started = 0
-        renew_at = time.monotonic() + self._renew_every()
-        for offer, fence, result in zip(offers, fences, answer.results, strict=True):
-            label = f"run {offer.run_id} attempt {offer.attempt_number} ({offer.task})"
-            if result.outcome not in (BatchOutcome.RUNNING, BatchOutcome.STARTING):
-                self._emit(f"{label} not started: {result.message or result.rejection}")
-                continue
-            execution = Execution(offer=offer, fence=fence, renew_at=renew_at)
-            self._in_flight[offer.attempt_id] = execution
-            self._emit(f"{label} started")
-            self._pool.start(execution)
-            started += 1
-        return started
+        self._commands.poll(grant.session_id, grant.secret)
+        schedule.last_heartbeat_at = now
 
-    def _report_finished(self) -> None:
-        """Report every finished task in one batch. Outcomes that could not be reported (the
-        database stayed locked) are kept and reported on the next pass."""
-        self._unreported.extend(self._pool.finished())
+    # --- claims and completions -------------------------------------------------------------------
+
+    def _free(self, reporting: int) -> int:
+        """Free slots of the pool once ``reporting`` finished tasks are reported."""
+        return self.settings.capacity - (len(self._in_flight) - reporting)
+
+    def _exchange(self) -> None:
+        """One call to the store for the pool: report what finished and, while something may
+        be queued and a slot is free, claim as many Attempts as there are free slots, in the
+        same transaction (``claim``); otherwise report with ``complete_many``. Outcomes that
+        could not be reported (the database stayed locked) are kept for the next call."""
+        schedule = self._schedule
+        now = time.monotonic()
+        if schedule.call_retry_at is not None and now < schedule.call_retry_at:
+            return
         outcomes = [o for o in self._unreported if o.attempt_id in self._in_flight]
-        self._unreported = []
-        if not outcomes:
+        batch, self._unreported = outcomes[:MAX_BATCH_ITEMS], outcomes[MAX_BATCH_ITEMS:]
+        stopping = self._stop_requested.is_set()
+        limit = 0
+        if schedule.claim_due and not stopping:
+            limit = min(MAX_CLAIM, self._free(len(batch)))
+        if not batch and limit <= 0:
             return
         grant = self._require_session()
         completions = [
@@ -365,25 +402,99 @@ class StandaloneRunner:
                 output=o.output,
                 error=o.error,
             )
-            for o in outcomes
+            for o in batch
         ]
+        answer: ClaimAnswer | None = None
         try:
-            answer = self._commands.complete_many(grant.session_id, grant.secret, completions)
+            if limit > 0:
+                held = sorted(self._in_flight)
+                answer = self._commands.claim(
+                    grant.session_id,
+                    grant.secret,
+                    limit=limit,
+                    completions=completions,
+                    held=held if len(held) <= MAX_CLAIM * 4 else None,
+                )
+                self.claims += 1
+                results: Sequence[ItemResult] = answer.completed
+            else:
+                results = self._commands.complete_many(
+                    grant.session_id, grant.secret, completions
+                ).results
         except Exception as error:
-            self._unreported = outcomes
-            self._emit(f"reporting outcomes failed: {describe_error(error)}")
-            self._schedule.retry_failed = time.monotonic() + RETRY_FAILED_CYCLE_S
+            self._unreported = batch + self._unreported
+            what = "claiming" if limit > 0 else "reporting outcomes"
+            self._emit(f"{what} failed: {describe_error(error)}")
+            schedule.call_retry_at = now + RETRY_FAILED_CYCLE_S
             return
-        for outcome, result in zip(outcomes, answer.results, strict=True):
-            offer = self._in_flight.pop(outcome.attempt_id).offer
-            label = f"run {offer.run_id} attempt {offer.attempt_number} ({offer.task})"
+        schedule.call_retry_at = None
+        self._settle(batch, results)
+        if answer is not None:
+            self._take(answer, limit)
+
+    def _settle(self, outcomes: Sequence[Outcome], results: Sequence[ItemResult]) -> None:
+        for outcome, result in zip(outcomes, results, strict=True):
+            label = self._in_flight.pop(outcome.attempt_id).label
             if not result.ok:
                 self._emit(f"{label} finished, but its outcome was refused: {result.message}")
             elif outcome.succeeded:
                 self._emit(f"{label} succeeded")
             else:
                 self._emit(f"{label} failed: {outcome.error}")
-        self._schedule.cycle_now = not self._stop_requested.is_set()  # capacity was freed
+        if outcomes and not self._stop_requested.is_set():
+            # A finished step may let its workflow go on: the frontier runs soon.
+            self._schedule.cycle_requested = True
+
+    def _take(self, answer: ClaimAnswer, limit: int) -> None:
+        """Start every granted Attempt on the pool; hand back those that cannot start."""
+        schedule = self._schedule
+        for attempt_id in answer.released:
+            self._emit(f"attempt {attempt_id} handed back: this process did not hold it")
+        renew_at = time.monotonic() + self._renew_every()
+        unstarted: list[tuple[Execution, str]] = []
+        for grant in answer.grants:
+            execution = Execution(grant=grant, renew_at=renew_at)
+            if self._stop_requested.is_set():
+                unstarted.append((execution, "the process is stopping"))
+                continue
+            try:
+                self._pool.start(execution)
+            except Exception as error:  # no thread to be had
+                unstarted.append((execution, f"slot failed to start: {describe_error(error)}"))
+                continue
+            self._in_flight[grant.attempt_id] = execution
+            self._emit(f"{execution.label} started")
+        if unstarted:
+            self._hand_back(unstarted)
+            schedule.call_retry_at = time.monotonic() + RETRY_FAILED_CYCLE_S
+        # A claim that filled its limit may have left more behind; otherwise nothing is queued
+        # for this process until a wake-up or a cycle says so.
+        schedule.claim_due = len(answer.grants) >= limit and not unstarted
+        if answer.no_grant is NoGrant.GATE_CLOSED:
+            if answer.detail != self._gate_reason:
+                self._emit(f"the dispatch gate is closed: {answer.detail}")
+            self._gate_reason = answer.detail
+        elif self._gate_reason is not None and answer.grants:
+            self._gate_reason = None
+
+    def _hand_back(self, unstarted: Sequence[tuple[Execution, str]]) -> None:
+        """Give granted Attempts back unstarted: each Run is queued again, with no verdict. If
+        this fails, the next claim's ``held`` statement hands them back."""
+        grant = self._require_session()
+        try:
+            answer = self._commands.release_many(
+                grant.session_id,
+                grant.secret,
+                [Release(fence=e.fence, cause=cause) for e, cause in unstarted],
+            )
+        except Exception as error:
+            self._emit(f"handing back {len(unstarted)} attempt(s) failed: {describe_error(error)}")
+            return
+        for (execution, cause), result in zip(unstarted, answer.results, strict=True):
+            if result.ok:
+                self._emit(f"{execution.label} handed back unstarted: {cause}")
+            else:
+                self._emit(f"{execution.label} not handed back: {result.message}")
 
     def _renew_due_leases(self) -> None:
         grant = self._grant
@@ -409,11 +520,7 @@ class StandaloneRunner:
             # The lease's authority is gone: the task keeps running, but the fence will refuse
             # its outcome.
             execution.orphaned = True
-            offer = execution.offer
-            self._emit(
-                f"run {offer.run_id} attempt {offer.attempt_number} lost its lease: "
-                f"{result.message}"
-            )
+            self._emit(f"{execution.label} lost its lease: {result.message}")
 
     def _renew_every(self) -> float:
         return self._commands.lease_ttl_ms / 3000
@@ -461,10 +568,14 @@ class StandaloneRunner:
     def _timeout(self) -> float | None:
         """Seconds the loop may sleep; None: until something wakes it."""
         schedule = self._schedule
-        if schedule.cycle_now:
-            return 0.0
         now = time.monotonic()
         deadlines = [at for at in (schedule.next_resident, schedule.retry_failed) if at is not None]
+        if schedule.cycle_requested:
+            last = schedule.last_cycle_at
+            deadlines.append(now if last is None else last + MIN_CYCLE_GAP_S)
+        if self._unreported or (schedule.claim_due and self._free(0) > 0):
+            # Outcomes left to report, or a claim that filled its limit with slots still free.
+            deadlines.append(schedule.call_retry_at or now)
         deadlines.extend(
             execution.renew_at for execution in self._in_flight.values() if not execution.orphaned
         )
@@ -486,12 +597,18 @@ class StandaloneRunner:
         self.wakeups += 1
         if self._pipe_r in ready:
             _drain_pipe(self._pipe_r)
+        woken = False
         if self._cycle_requested.is_set():
             self._cycle_requested.clear()
-            self._schedule.cycle_now = True
+            woken = True
         if self._wake is not None and self._wake.fileno() in ready:
             self._wake.drain()
-            self._schedule.cycle_now = True
+            woken = True
+        if woken:
+            # A Run may have been queued (the store pokes on every such commit): claim at once;
+            # the cadence follows (a workflow or a trigger may have been added).
+            self._schedule.claim_due = True
+            self._schedule.cycle_requested = True
 
     def _poke_self(self) -> None:
         fd = self._pipe_w
@@ -519,14 +636,19 @@ class StandaloneRunner:
             self._emit(f"draining: waiting for {len(self._in_flight)} running attempt(s)")
         deadline = time.monotonic() + self.settings.drain_timeout_s
         while self._in_flight and time.monotonic() < deadline and not self._hurry.is_set():
-            self._report_finished()
+            self._unreported.extend(self._pool.finished())
+            self._exchange()  # stopping: completions only
             self._renew_due_leases()
             if not self._in_flight:
                 break
-            renewals = [e.renew_at for e in self._in_flight.values() if not e.orphaned]
-            wait = min([deadline, *renewals]) - time.monotonic()
-            self._wait(max(0.0, wait))
-        self._report_finished()
+            wake_at = [deadline]
+            wake_at.extend(e.renew_at for e in self._in_flight.values() if not e.orphaned)
+            if self._unreported:
+                wake_at.append(self._schedule.call_retry_at or time.monotonic())
+            self._wait(max(0.0, min(wake_at) - time.monotonic()))
+        self._unreported.extend(self._pool.finished())
+        self._schedule.call_retry_at = None
+        self._exchange()
         left = list(self._in_flight.values())
         if left:
             detail = "the process stopped before the task finished"
@@ -536,9 +658,10 @@ class StandaloneRunner:
                 [Abandonment(fence=e.fence, detail=detail) for e in left],
             )
             for execution, result in zip(left, answer.results, strict=True):
-                offer = execution.offer
                 what = "abandoned" if result.ok else f"not abandoned: {result.message}"
-                self._emit(f"run {offer.run_id} attempt {offer.attempt_number} {what}")
+                self._emit(
+                    f"run {execution.grant.run_id} attempt {execution.grant.attempt_number} {what}"
+                )
         self._in_flight.clear()
         with contextlib.suppress(DomainError):
             self._commands.close(grant.session_id, grant.secret)

@@ -63,7 +63,8 @@ class DueRetryStart:
 
 
 class StandaloneCoordinator:
-    """due retries -> trigger schedule -> workflow frontier -> task attempt admission.
+    """due retries -> trigger schedule -> workflow frontier -> task attempt admission (the
+    dispatch gate step: the process's own claims take the work, ADR 0007).
 
     Like every coordinator it owns no timer, pool or connection: the runner drives it."""
 

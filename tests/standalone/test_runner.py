@@ -15,10 +15,9 @@ from typing import Any
 import pytest
 
 from adapters.standalone import AlreadyRunning, StandaloneRunner
+from adapters.standalone.runner import MIN_CYCLE_GAP_S
 from application.queries import RunQueries
-from application.worker_commands import StartStage
 from bootstrap import edge, standalone
-from domain.fence import LeaseFence
 from domain.model import AttemptStatus, EvidenceKind, RunStatus, SessionStatus
 from domain.policy import Backoff, RetryPolicy, Safety
 from tests.standalone.support import REPO, wait_for
@@ -104,7 +103,9 @@ def test_an_idle_edge_process_makes_zero_cycles_until_a_submit_from_another_proc
     wait_for(lambda: served.settled(run_id), 10, "the submitted run to finish")
     assert served.status(run_id) is RunStatus.SUCCEEDED
     assert served.runner.cycles >= 1
-    time.sleep(0.3)
+    # The cycle a finished task asks for (a workflow's next step) runs within MIN_CYCLE_GAP_S;
+    # after it, nothing.
+    time.sleep(MIN_CYCLE_GAP_S + 0.3)
     assert _quiet(served.runner, 1.0) == (0, 0)
 
 
@@ -117,7 +118,8 @@ def test_a_resident_standalone_process_keeps_its_cadence(serve: Any) -> None:
 def test_edge_sleeps_until_the_leases_of_the_previous_process_expire_and_the_retry_is_due(
     serve: Any, tmp_path: Path
 ) -> None:
-    # The "previous process": its session started an idempotent run, then the process vanished.
+    # The "previous process": its session claimed and started an idempotent run, then the
+    # process vanished.
     database = str(tmp_path / "ql3.sqlite")
     before = edge.build(database_path=database, lease_ttl_s=1.0)
     commands = before.core.worker_commands()
@@ -125,12 +127,8 @@ def test_edge_sleeps_until_the_leases_of_the_previous_process_expire_and_the_ret
     run_id = before.core.admission().submit(
         "hold", {"dir": str(tmp_path), "name": "r", "first_s": 0, "later_s": 0}, SAFE
     )
-    assert before.core.task_attempt_admission().run_once().offered == 1
-    (offer,) = commands.heartbeat(grant.session_id, grant.secret)
-    fence = LeaseFence(attempt_id=offer.attempt_id, generation=offer.generation,
-                       version=offer.version, token="t" * 32)
-    answer = commands.start_many(grant.session_id, grant.secret, [fence], StartStage.STARTED)
-    assert answer.results[0].ok
+    answer = commands.claim(grant.session_id, grant.secret, limit=1)
+    assert [g.run_id for g in answer.grants] == [run_id]
     before.store().close()
 
     started = time.monotonic()
@@ -146,7 +144,7 @@ def test_edge_sleeps_until_the_leases_of_the_previous_process_expire_and_the_ret
     # (and for its own task), not on a cadence.
     assert elapsed >= 0.8
     assert served.runner.wakeups <= 10, served.lines
-    time.sleep(0.3)
+    time.sleep(MIN_CYCLE_GAP_S + 0.3)
     assert _quiet(served.runner, 1.0) == (0, 0)
 
 
