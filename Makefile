@@ -2,7 +2,8 @@ PY ?= python3
 VENV = .venv
 PYTEST_ARGS ?=
 
-.PHONY: venv test demo clean bench-recovery bench-idle bench-recover-time bench-throughput
+.PHONY: venv test demo clean bench-recovery bench-idle bench-recover-time bench-throughput \
+	bench-latency bench-standalone
 
 venv: $(VENV)/.installed
 
@@ -33,6 +34,12 @@ bench-recover-time: venv
 
 bench-throughput: venv
 	$(VENV)/bin/python -m benchmarks throughput
+
+bench-latency: venv
+	$(VENV)/bin/python -m benchmarks latency
+
+bench-standalone: venv
+	$(VENV)/bin/python -m benchmarks standalone
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .mypy_cache .ruff_cache .pytest_cache .hypothesis

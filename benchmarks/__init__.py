@@ -1,9 +1,11 @@
-"""Benchmarks of the QL3 runtime's Cluster profile against a real PostgreSQL server.
+"""Benchmarks of the QL3 runtime, each beside its reference measured in the same run.
 
 ``python -m benchmarks recovery`` times runtime recovery against single-client pgbench TPC-B;
 ``python -m benchmarks idle`` measures one idle Cluster cycle on an empty and on a large
-database; ``python -m benchmarks recover-time`` times recovery after the SIGKILL of a worker and
-``python -m benchmarks throughput`` no-op runs through one node and one worker against PgQueuer,
-both with real ``ql3 serve`` and ``ql3 worker`` processes. Each prints a table and, with
-``--json``, one JSON object as its last line.
+database; ``python -m benchmarks recover-time`` times recovery after the SIGKILL of a worker;
+``python -m benchmarks throughput`` works no-op runs through one node and one worker against
+PgQueuer, and ``python -m benchmarks latency`` times a submit to the first line of its task
+against PgQueuer, both with real ``ql3 serve`` and ``ql3 worker`` processes;
+``python -m benchmarks standalone`` works no-op runs through ``ql3 standalone`` against Huey's
+``SqliteHuey``. Each prints a table and, with ``--json``, one JSON object as its last line.
 """

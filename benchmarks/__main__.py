@@ -1,4 +1,4 @@
-"""``python -m benchmarks <recovery|idle|recover-time|throughput> [options]``."""
+"""``python -m benchmarks <recovery|idle|recover-time|throughput|latency|standalone> [options]``."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from benchmarks.common import ADMIN_URL_ENV, ArgumentParser, BenchmarkError, adm
 
 
 def parser() -> ArgumentParser:
-    from benchmarks import idle, recover_time, recovery, throughput
+    from benchmarks import idle, latency, recover_time, recovery, standalone, throughput
 
     top = ArgumentParser(
         prog="python -m benchmarks",
@@ -19,7 +19,7 @@ def parser() -> ArgumentParser:
         ),
     )
     commands = top.add_subparsers(
-        dest="command", metavar="{recovery,idle,recover-time,throughput}"
+        dest="command", metavar="{recovery,idle,recover-time,throughput,latency,standalone}"
     )
     commands.required = True
     recovery.add_arguments(
@@ -40,18 +40,30 @@ def parser() -> ArgumentParser:
             "throughput", help="no-op runs through one node and one worker vs PgQueuer"
         )
     )
+    latency.add_arguments(
+        commands.add_parser(
+            "latency", help="submit -> task started, idle and under load, vs PgQueuer"
+        )
+    )
+    standalone.add_arguments(
+        commands.add_parser(
+            "standalone", help="no-op runs through ql3 standalone on SQLite vs Huey's SqliteHuey"
+        )
+    )
     return top
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    from benchmarks import idle, recover_time, recovery, throughput
+    from benchmarks import idle, latency, recover_time, recovery, standalone, throughput
 
     run = {
         "recovery": recovery.main,
         "idle": idle.main,
         "recover-time": recover_time.main,
         "throughput": throughput.main,
+        "latency": latency.main,
+        "standalone": standalone.main,
     }[args.command]
     try:
         return run(args, admin_url())

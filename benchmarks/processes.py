@@ -1,10 +1,15 @@
-"""Real ``ql3 serve`` and ``ql3 worker`` processes for the benchmarks that drive a cluster.
+"""Real ``ql3 serve``, ``ql3 worker`` and ``ql3 standalone`` processes (and the consumers of the
+reference queues) for the benchmarks that drive them.
 
-:class:`Processes` starts them as ``python -m adapters.cli.main ...`` children of the benchmark
-(each with its output in a log file of a private temporary directory), waits until a node
-listens, and stops every process it started, by its id, when the ``with`` block ends: SIGTERM,
-then SIGKILL if it does not end in time. A process that dies early or never gets ready becomes a
-:class:`~benchmarks.common.BenchmarkError` quoting the last line of its log.
+:class:`Processes` starts them as ``python -m adapters.cli.main ...`` (or ``python -m MODULE``)
+children of the benchmark (each with its output in a log file of a private temporary directory),
+waits until a node listens, and stops every process it started, by its id, when the ``with``
+block ends: SIGTERM, then SIGKILL if it does not end in time. A process that dies early or never
+gets ready becomes a :class:`~benchmarks.common.BenchmarkError` quoting the last line of its log.
+
+CPU time is read from ``/proc/<pid>/stat`` (Linux): :func:`tree_cpu_seconds` is what a process
+and all its descendants have used so far, :class:`ServerCpu` the same for a PostgreSQL server
+running on this machine.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -98,10 +103,22 @@ def wait_until(
         time.sleep(interval_s)
 
 
-class Processes:
-    """The cluster processes of one benchmark; a context manager that stops them all."""
+def node_argv(flags: Sequence[str]) -> list[str]:
+    """The command line of a benchmark's node: ``ql3 serve --port 0 FLAGS...``."""
+    return ["serve", "--port", "0", *flags]
 
-    def __init__(self, database_url: str) -> None:
+
+def worker_argv(node_url: str, worker_id: str, flags: Sequence[str]) -> list[str]:
+    """The command line of a benchmark's worker on the benchmark tasks."""
+    return ["worker", "--ingress", node_url, "--app", APP_SPEC, "--worker-id", worker_id, *flags]
+
+
+class Processes:
+    """The cluster processes of one benchmark; a context manager that stops them all.
+    ``database_url`` None: the children get no ``QL3_DATABASE_URL`` (a Standalone process names
+    its database file itself)."""
+
+    def __init__(self, database_url: str | None) -> None:
         self.database_url = database_url
         self._workdir = tempfile.TemporaryDirectory(prefix="ql3-bench-")
         self._started: list[Process] = []
@@ -122,15 +139,25 @@ class Processes:
         finally:
             self._workdir.cleanup()
 
-    def _spawn(self, name: str, argv: list[str]) -> Process:
+    def _spawn(
+        self,
+        name: str,
+        argv: Sequence[str],
+        module: str = "adapters.cli.main",
+        extra_env: Mapping[str, str] | None = None,
+    ) -> Process:
         log = Path(self._workdir.name) / f"{name}-{len(self._started)}.log"
-        env = {**os.environ, "QL3_DATABASE_URL": self.database_url}
+        env = dict(os.environ)
+        env.pop("QL3_DATABASE_URL", None)
+        if self.database_url is not None:
+            env["QL3_DATABASE_URL"] = self.database_url
         env.pop("QL3_INGRESS_DATABASE_URL", None)
         env.pop("QL3_REGISTRATION_TOKEN", None)
+        env.update(extra_env or {})
         with log.open("wb") as handle:
             started_at = time.monotonic()
             popen = subprocess.Popen(
-                [sys.executable, "-m", "adapters.cli.main", *argv],
+                [sys.executable, "-m", module, *argv],
                 cwd=PROJECT_ROOT,
                 stdin=subprocess.DEVNULL,
                 stdout=handle,
@@ -141,9 +168,20 @@ class Processes:
         self._started.append(process)
         return process
 
+    def start(
+        self,
+        name: str,
+        argv: Sequence[str],
+        module: str = "adapters.cli.main",
+        env: Mapping[str, str] | None = None,
+    ) -> Process:
+        """``python -m MODULE ARGV...`` (``ql3 ARGV...`` by default) with ``env`` added to its
+        environment; stopped with the others."""
+        return self._spawn(name, argv, module, env)
+
     def start_node(self, flags: Sequence[str]) -> tuple[Process, str]:
         """``ql3 serve --port 0 FLAGS...``; returns the process and its URL once it listens."""
-        process = self._spawn("node", ["serve", "--port", "0", *flags])
+        process = self._spawn("node", node_argv(flags))
         url: list[str] = []
 
         def listening() -> bool:
@@ -164,19 +202,7 @@ class Processes:
 
     def start_worker(self, node_url: str, worker_id: str, flags: Sequence[str]) -> Process:
         """``ql3 worker`` on the benchmark tasks; it registers in the background."""
-        return self._spawn(
-            f"worker-{worker_id}",
-            [
-                "worker",
-                "--ingress",
-                node_url,
-                "--app",
-                APP_SPEC,
-                "--worker-id",
-                worker_id,
-                *flags,
-            ],
-        )
+        return self._spawn(f"worker-{worker_id}", worker_argv(node_url, worker_id, flags))
 
     def ql3(self, *argv: str, env: dict[str, str] | None = None) -> None:
         """A one-shot ``ql3`` command on the benchmark's database; fails with its stderr."""
@@ -186,7 +212,7 @@ class Processes:
             capture_output=True,
             text=True,
             timeout=120,
-            env={**os.environ, "QL3_DATABASE_URL": self.database_url, **(env or {})},
+            env={**os.environ, "QL3_DATABASE_URL": self.database_url or "", **(env or {})},
             check=False,
         )
         if done.returncode != 0:
@@ -212,3 +238,102 @@ def role_url(database_url: str, role: str, password: str) -> str:
     return make_url(database_url).set(username=role, password=password).render_as_string(
         hide_password=False
     )
+
+
+# --- CPU time from /proc -----------------------------------------------------------------------
+
+PROC = Path("/proc")
+
+
+def _clock_ticks() -> int:
+    try:
+        return int(os.sysconf("SC_CLK_TCK"))
+    except (AttributeError, OSError, ValueError):
+        return 100
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command name (field 3, the state, first);
+    None when the process is gone or /proc is not there."""
+    try:
+        text = (PROC / str(pid) / "stat").read_text()
+    except OSError:
+        return None
+    return text[text.rfind(")") + 2 :].split()
+
+
+def _ticks(fields: list[str]) -> int:
+    """utime + stime + cutime + cstime: the process's own CPU time and that of the children it
+    has waited for (fields 14 to 17)."""
+    return sum(int(value) for value in fields[11:15])
+
+
+def _children_by_parent() -> dict[int, list[int]]:
+    children: dict[int, list[int]] = {}
+    try:
+        entries = [entry.name for entry in PROC.iterdir() if entry.name.isdigit()]
+    except OSError:
+        return children
+    for name in entries:
+        fields = _stat_fields(int(name))
+        if fields is not None:
+            children.setdefault(int(fields[1]), []).append(int(name))
+    return children
+
+
+def _descendants(pid: int, children: dict[int, list[int]]) -> list[int]:
+    found, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        found.append(current)
+        todo.extend(children.get(current, ()))
+    return found
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU seconds one process (and the children it has reaped) has used; 0.0 once gone."""
+    fields = _stat_fields(pid)
+    return 0.0 if fields is None else _ticks(fields) / _clock_ticks()
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """CPU seconds used so far by ``pid`` and every process under it. A live descendant counts
+    itself; one that exited and was reaped is in its parent's cutime and cstime, so nothing is
+    counted twice. Read it before the processes of the tree exit."""
+    total = 0
+    for member in _descendants(pid, _children_by_parent()):
+        fields = _stat_fields(member)
+        if fields is not None:
+            total += _ticks(fields)
+    return total / _clock_ticks()
+
+
+def _command(pid: int) -> str:
+    try:
+        return (PROC / str(pid) / "comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+@dataclass(frozen=True)
+class ServerCpu:
+    """The CPU time of a PostgreSQL server that runs on this machine: its postmaster and every
+    process under it (backends, checkpointer, WAL writer, ...). A backend that exits between two
+    readings is counted through the postmaster's reaped children."""
+
+    postmaster: int
+
+    @classmethod
+    def of(cls, backend_pid: int) -> ServerCpu | None:
+        """The server of a session whose backend is ``backend_pid``; None when that backend is
+        not a ``postgres`` process of this machine (a remote server, another pid namespace)."""
+        fields = _stat_fields(backend_pid)
+        if fields is None or _command(backend_pid) != "postgres":
+            return None
+        postmaster = int(fields[1])
+        return cls(postmaster) if _command(postmaster) == "postgres" else None
+
+    def seconds(self, excluding: Sequence[int] = ()) -> float:
+        """CPU seconds the server has used so far, less that of the backends ``excluding`` (the
+        benchmark's own sessions)."""
+        return tree_cpu_seconds(self.postmaster) - sum(cpu_seconds(pid) for pid in excluding)

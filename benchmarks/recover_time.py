@@ -44,7 +44,7 @@ POLL_S = 0.02
 FIRST_ATTEMPT_SLEEP_S = 3600.0  # attempt 1 never finishes by itself
 START_TIMEOUT_S = 60.0
 RECOVER_GRACE_S = 60.0  # beyond the lease TTL, before a round is declared stuck
-WORKER_FLAGS = ("--concurrency", "1", "--poll-interval", "0.05", "--log-level", "warning")
+WORKER_FLAGS = ("--concurrency", "1", "--log-level", "warning")
 
 
 def positive_float(text: str) -> float:

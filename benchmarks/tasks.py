@@ -3,10 +3,15 @@
 ``bench.noop`` returns at once: a throughput run measures the runtime, not the task.
 ``bench.sleep`` sleeps ``first_attempt_seconds`` on attempt 1 and ``seconds`` (default 0) on
 later attempts, so a worker can be killed in the middle of attempt 1 and the retry is quick.
+``bench.stamp`` reads the wall clock in its first line and leaves it, as text, in the file
+``name`` of the directory ``dir`` (both from its input): the latency benchmark reads when each
+Run started from there. ``huey_noop`` is the standalone benchmark's no-op task for Huey, which
+names a task after its function's module: here it is the same in the producer and the consumer.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -14,6 +19,7 @@ from adapters.execution import TaskContext
 
 NOOP = "bench.noop"
 SLEEP = "bench.sleep"
+STAMP = "bench.stamp"
 APP_SPEC = "benchmarks.tasks:TASKS"
 
 
@@ -29,4 +35,22 @@ def sleep(payload: Any, context: TaskContext) -> dict[str, Any]:
     return {"slept": seconds, "attempt": context.attempt_number}
 
 
-TASKS = {NOOP: noop, SLEEP: sleep}
+def write_stamp(directory: str, name: str, started: float) -> None:
+    """``started`` into ``directory/name``, which appears whole (written aside, then renamed)."""
+    path = os.path.join(directory, name)
+    with open(path + ".part", "w") as handle:
+        handle.write(repr(started))
+    os.replace(path + ".part", path)
+
+
+def stamp(payload: Any) -> None:
+    started = time.time()
+    write_stamp(payload["dir"], payload["name"], started)
+
+
+def huey_noop(n: int) -> bool:
+    """Huey stores what a task returns; ``True`` leaves a result that says it ran."""
+    return True
+
+
+TASKS = {NOOP: noop, SLEEP: sleep, STAMP: stamp}

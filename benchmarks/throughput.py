@@ -1,24 +1,37 @@
 """Throughput through the worker ingress against PgQueuer, on the same server in the same run.
 
-QL3 side: a migrated throwaway database and one ``ql3 serve`` node for the whole run. Each round
-admits ``--runs`` no-op Runs (``bench.noop``, no policy) through the bulk admission API
-(``Admission.submit_many``, one transaction per batch of ``--admit-batch``) -> ``admitted_per_s``;
-then starts one ``ql3 worker --concurrency 8`` process and polls the database (every ~20 ms)
-until every Run has ``succeeded`` -> ``worked_per_s = runs / (all succeeded - worker spawned)``.
-The worker's start-up (interpreter, one child process per slot, registration) is inside that
-interval; ``startup_s`` shows how much of it that was. The worker is drained with SIGTERM and must
-exit 0; every Run must end with one ``succeeded`` Attempt whose lease is ``released`` on
-``completed``.
+QL3 side: a migrated throwaway database and one ``ql3 serve`` node at its defaults for the whole
+run. Each round admits ``--runs`` no-op Runs (``bench.noop``, no policy) through the bulk
+admission API (``Admission.submit_many``, one transaction per batch of ``--admit-batch``) ->
+``admitted_per_s``; then starts one ``ql3 worker --concurrency 8`` process (every other setting at
+its default) and polls the database (every ~20 ms) until every Run has ``succeeded`` ->
+``worked_per_s = runs / (all succeeded - worker spawned)``. The worker's start-up (interpreter,
+one child process per slot, registration) is inside that interval; ``startup_s`` shows how much
+of it that was. The worker is drained with SIGTERM and must exit 0; every Run must end with one
+``succeeded`` Attempt whose lease is ``released`` on ``completed``. Every flag the node and the
+worker get is printed with the result.
+
+CPU per Attempt, over the same interval (worker spawned -> all succeeded), divided by the runs,
+read from ``/proc/<pid>/stat`` (utime + stime, plus cutime + cstime of reaped children):
+``cpu_ms_per_attempt_node`` is the ``ql3 serve`` process (the difference between the two
+readings); ``cpu_ms_per_attempt_worker`` the ``ql3 worker`` process and every process under it
+(its slot children), read once at the end, before the drain: the whole worker lives inside the
+interval, start-up included; ``cpu_ms_per_attempt_postgres`` the PostgreSQL server (its
+postmaster and every process under it: backends, WAL writer, checkpointer, ...; a backend that
+exits in between is counted through the postmaster's reaped children), less the benchmark's own
+polling session. The server must run on this machine for that one (else it is null); whatever
+else the server does at the time is counted too.
 
 PgQueuer side (the ``bench`` extra: ``pip install -e '.[bench]'``): its schema installed by
 its own ``Queries.install()`` in a throwaway database of its own; each round enqueues the same
-number of no-op jobs in one batch, then one ``QueueManager`` (asyncpg) with 8 slots
-(``max_concurrent_tasks=8`` and the largest batch that cap allows, 4) runs in drain mode until the
-queue is empty -> ``pgqueuer_worked_per_s``.
+number of no-op jobs in one ``Queries.enqueue`` call -> ``pgqueuer_enqueue_per_s``, then one
+``QueueManager`` (asyncpg) with 8 slots (``max_concurrent_tasks=8`` and the largest batch that
+cap allows, 4) runs in drain mode until the queue is empty -> ``pgqueuer_worked_per_s``.
 
 The two sides alternate (their order flips every round) for ``--rounds`` rounds; figures are
 medians over the rounds and ``ratio`` is the median of the per-round ratios
-``worked_per_s / pgqueuer_worked_per_s``. Target: ``ratio >= 1.0``.
+``worked_per_s / pgqueuer_worked_per_s``. Targets: ``ratio >= 1.0`` and
+``admitted_per_s >= pgqueuer_enqueue_per_s / 3``.
 """
 
 from __future__ import annotations
@@ -46,36 +59,27 @@ from benchmarks.common import (
     say,
     throwaway_database,
 )
-from benchmarks.processes import Process, Processes, ingress_role, role_url
+from benchmarks.processes import (
+    Process,
+    Processes,
+    ServerCpu,
+    ingress_role,
+    node_argv,
+    role_url,
+    tree_cpu_seconds,
+    worker_argv,
+)
 from benchmarks.tasks import NOOP
 
 TARGET_RATIO = 1.0
+TARGET_ADMISSION_FRACTION = 1 / 3  # of PgQueuer's enqueue rate
 SLOTS = 8
 WORKER_ID = "bench-throughput-worker"
 POLL_S = 0.02
 WORK_TIMEOUT_S = 600.0
 PGQUEUER_BATCH = SLOTS // 2  # PgQueuer needs max_concurrent_tasks >= 2 * batch_size
-# Flags chosen for throughput; printed with the result.
-NODE_FLAGS = (
-    "--dispatch-page-size",
-    "64",  # the hard page cap: one cycle may offer every free slot at once
-    "--cadence",
-    "0.05",  # the scheduler is also woken whenever a worker frees capacity
-    "--lease-ttl",
-    "30",  # renewals are rare; no-op tasks finish long before
-    "--log-level",
-    "warning",
-)
-WORKER_FLAGS = (
-    "--concurrency",
-    str(SLOTS),
-    "--poll-interval",
-    "0.05",  # longest wait between asks for work while a slot is free
-    "--prefetch",
-    str(7 * SLOTS),  # offers accepted ahead of free slots, activated as slots free
-    "--log-level",
-    "warning",
-)
+# The node runs at its defaults and the worker at its defaults but for the slots.
+WORKER_FLAGS = ("--concurrency", str(SLOTS))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -181,8 +185,12 @@ def ql3_round(
     runs: int,
     batch: int,
     expected_total: int,
-) -> dict[str, float]:
+) -> dict[str, float | None]:
     admit_s = admit(admission, runs, batch)
+    server = ServerCpu.of(conn.info.backend_pid)
+    poller = (conn.info.backend_pid,)
+    node_cpu = tree_cpu_seconds(node.pid)
+    server_cpu = server.seconds(excluding=poller) if server is not None else None
     worker = processes.start_worker(node_url, WORKER_ID, WORKER_FLAGS)
     registered_at: float | None = None
     while True:
@@ -205,6 +213,10 @@ def ql3_round(
         worker.check_alive()
         time.sleep(POLL_S)
     work_s = now - worker.started_at
+    worker_cpu = tree_cpu_seconds(worker.pid)
+    node_cpu = tree_cpu_seconds(node.pid) - node_cpu
+    if server is not None and server_cpu is not None:
+        server_cpu = server.seconds(excluding=poller) - server_cpu
     status = worker.terminate()
     if status != 0:
         raise BenchmarkError(f"the worker did not drain cleanly ({status}): {worker.last_line()}")
@@ -213,6 +225,9 @@ def ql3_round(
         "admit_s": admit_s,
         "work_s": work_s,
         "startup_s": (registered_at if registered_at is not None else now) - worker.started_at,
+        "cpu_ms_node": 1000 * node_cpu / runs,
+        "cpu_ms_worker": 1000 * worker_cpu / runs,
+        "cpu_ms_postgres": None if server_cpu is None else 1000 * server_cpu / runs,
     }
 
 
@@ -223,7 +238,7 @@ def asyncpg_dsn(url: str) -> str:
     return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
 
 
-async def _pgqueuer_install(dsn: str) -> None:
+async def install_pgqueuer(dsn: str) -> None:
     import asyncpg
     from pgqueuer import AsyncpgDriver, Queries
 
@@ -283,23 +298,34 @@ def pgqueuer_round(dsn: str, jobs: int) -> dict[str, float]:
 # --- the command -------------------------------------------------------------------------------
 
 
+def _median_or_none(values: list[float | None], digits: int = 3) -> float | None:
+    known = [value for value in values if value is not None]
+    return round(statistics.median(known), digits) if known else None
+
+
+def _shown_argv(argv: list[str]) -> str:
+    """A command line as printed: the value of ``--ingress-database-url`` without its password."""
+    shown = list(argv)
+    for index, flag in enumerate(shown[:-1]):
+        if flag == "--ingress-database-url":
+            shown[index + 1] = make_url(shown[index + 1]).render_as_string(hide_password=True)
+    return "ql3 " + " ".join(shown)
+
+
 def main(args: argparse.Namespace, admin: str) -> int:
     from bootstrap.cluster import build
 
     pgqueuer_version = require_pgqueuer()
     total = Stopwatch()
     runs = args.runs
-    say(
-        f"throughput: {runs:,} no-op runs per side and round, {args.rounds} round(s);"
-        f" node {' '.join(NODE_FLAGS)}; worker {' '.join(WORKER_FLAGS)};"
-        f" PgQueuer {pgqueuer_version} max_concurrent_tasks={SLOTS} batch_size={PGQUEUER_BATCH}"
-    )
     admitted: list[float] = []
     worked: list[float] = []
     startup: list[float] = []
     reference: list[float] = []
+    enqueued: list[float] = []
     ratios: list[float] = []
-    node_flags = list(NODE_FLAGS)
+    cpu: dict[str, list[float | None]] = {"node": [], "worker": [], "postgres": []}
+    node_flags: list[str] = []
     role_scope: AbstractContextManager[str | None] = (
         ingress_role(admin) if args.least_privilege_ingress else nullcontext(None)
     )
@@ -310,7 +336,7 @@ def main(args: argparse.Namespace, admin: str) -> int:
         Processes(url) as processes,
     ):
         dsn = asyncpg_dsn(pgqueuer_url)
-        asyncio.run(_pgqueuer_install(dsn))
+        asyncio.run(install_pgqueuer(dsn))
         if role is not None:
             password = secrets.token_urlsafe(16)
             processes.ql3(
@@ -326,13 +352,22 @@ def main(args: argparse.Namespace, admin: str) -> int:
         try:
             admission = container.core.admission()
             node, node_url = processes.start_node(node_flags)
+            node_command = _shown_argv(node_argv(node_flags))
+            worker_command = _shown_argv(worker_argv(node_url, WORKER_ID, WORKER_FLAGS))
+            say(
+                f"throughput: {runs:,} no-op runs per side and round, {args.rounds} round(s);"
+                f" node: {node_command}; worker: {worker_command};"
+                f" PgQueuer {pgqueuer_version} max_concurrent_tasks={SLOTS}"
+                f" batch_size={PGQUEUER_BATCH}"
+            )
             with connect(url, autocommit=True) as conn:
                 for index in range(1, args.rounds + 1):
-                    sides: dict[str, dict[str, float]] = {}
+                    ours: dict[str, float | None] = {}
+                    theirs: dict[str, float] = {}
                     order = ("ql3", "pgqueuer") if index % 2 else ("pgqueuer", "ql3")
                     for side in order:
                         if side == "ql3":
-                            sides[side] = ql3_round(
+                            ours = ql3_round(
                                 processes,
                                 conn,
                                 admission,
@@ -343,29 +378,44 @@ def main(args: argparse.Namespace, admin: str) -> int:
                                 runs * index,
                             )
                         else:
-                            sides[side] = pgqueuer_round(dsn, runs)
-                    ours, theirs = sides["ql3"], sides["pgqueuer"]
-                    admitted.append(runs / ours["admit_s"])
-                    worked.append(runs / ours["work_s"])
-                    startup.append(ours["startup_s"])
+                            theirs = pgqueuer_round(dsn, runs)
+                    admitted.append(runs / float(ours["admit_s"] or 0.0))
+                    worked.append(runs / float(ours["work_s"] or 0.0))
+                    startup.append(float(ours["startup_s"] or 0.0))
+                    for name in cpu:
+                        cpu[name].append(ours[f"cpu_ms_{name}"])
                     reference.append(runs / theirs["work_s"])
+                    enqueued.append(runs / theirs["enqueue_s"])
                     ratios.append(worked[-1] / reference[-1])
                     say(
                         f"throughput: round {index}/{args.rounds}: admitted {admitted[-1]:,.0f}/s,"
                         f" worked {worked[-1]:,.0f}/s (start-up {startup[-1]:.2f}s),"
-                        f" PgQueuer {reference[-1]:,.0f}/s, ratio {ratios[-1]:.3f}"
+                        f" PgQueuer enqueued {enqueued[-1]:,.0f}/s, worked {reference[-1]:,.0f}/s,"
+                        f" ratio {ratios[-1]:.3f}"
                     )
         finally:
             container.store().close()
 
     ratio = statistics.median(ratios)
+    admitted_per_s = statistics.median(admitted)
+    pgqueuer_enqueue_per_s = statistics.median(enqueued)
+    admission_target = pgqueuer_enqueue_per_s * TARGET_ADMISSION_FRACTION
+    meets_ratio = ratio >= TARGET_RATIO
+    meets_admission = admitted_per_s >= admission_target
     result: dict[str, Any] = {
-        "admitted_per_s": round(statistics.median(admitted), 1),
+        "admitted_per_s": round(admitted_per_s, 1),
         "worked_per_s": round(statistics.median(worked), 1),
         "pgqueuer_worked_per_s": round(statistics.median(reference), 1),
+        "pgqueuer_enqueue_per_s": round(pgqueuer_enqueue_per_s, 1),
         "ratio": round(ratio, 3),
         "target_ratio": TARGET_RATIO,
-        "meets_target": ratio >= TARGET_RATIO,
+        "meets_ratio_target": meets_ratio,
+        "target_admitted_per_s": round(admission_target, 1),
+        "meets_admission_target": meets_admission,
+        "meets_target": meets_ratio and meets_admission,
+        "cpu_ms_per_attempt_node": _median_or_none(cpu["node"]),
+        "cpu_ms_per_attempt_worker": _median_or_none(cpu["worker"]),
+        "cpu_ms_per_attempt_postgres": _median_or_none(cpu["postgres"]),
         "runs": runs,
         "rounds": args.rounds,
         "admit_batch": args.admit_batch,
@@ -374,10 +424,15 @@ def main(args: argparse.Namespace, admin: str) -> int:
         "admitted_per_s_per_round": [round(v, 1) for v in admitted],
         "worked_per_s_per_round": [round(v, 1) for v in worked],
         "pgqueuer_worked_per_s_per_round": [round(v, 1) for v in reference],
+        "pgqueuer_enqueue_per_s_per_round": [round(v, 1) for v in enqueued],
         "ratio_per_round": [round(v, 3) for v in ratios],
-        "node_flags": " ".join(NODE_FLAGS),
+        "cpu_ms_per_attempt_per_round": {
+            name: [None if v is None else round(v, 3) for v in values]
+            for name, values in cpu.items()
+        },
+        "node_flags": node_command,
         "ingress": "own role" if args.least_privilege_ingress else "node's database URL",
-        "worker_flags": " ".join(WORKER_FLAGS),
+        "worker_flags": worker_command,
         "pgqueuer": (
             f"{pgqueuer_version} asyncpg max_concurrent_tasks={SLOTS}"
             f" batch_size={PGQUEUER_BATCH} drain"
@@ -385,17 +440,48 @@ def main(args: argparse.Namespace, admin: str) -> int:
         "peak_rss_mb": peak_rss_mb(),
         "total_seconds": round(total.seconds(), 1),
     }
+    postgres_note = (
+        "the server's processes, less the poll"
+        if result["cpu_ms_per_attempt_postgres"] is not None
+        else "not measured: the server is not a process of this machine"
+    )
     print_table(
         "No-op throughput: one node + one worker (8 slots) vs PgQueuer (8 slots), medians",
         [
             ("runs", runs, "per side and round"),
             ("rounds", args.rounds, "the sides alternate"),
             ("admitted_per_s", result["admitted_per_s"], f"submit_many, {args.admit_batch}/tx"),
+            (
+                "pgqueuer_enqueue_per_s",
+                result["pgqueuer_enqueue_per_s"],
+                "Queries.enqueue, one call per round",
+            ),
+            (
+                "meets_admission_target",
+                meets_admission,
+                f"admitted_per_s >= pgqueuer_enqueue_per_s / 3 = {admission_target:,.1f}",
+            ),
             ("startup_s_median", result["startup_s_median"], "worker spawn -> registered"),
             ("worked_per_s", result["worked_per_s"], "worker spawn -> all runs succeeded"),
             ("pgqueuer_worked_per_s", result["pgqueuer_worked_per_s"], result["pgqueuer"]),
             ("ratio", result["ratio"], f"median of per-round ratios; target >= {TARGET_RATIO}"),
-            ("meets_target", result["meets_target"], ""),
+            ("meets_ratio_target", meets_ratio, ""),
+            (
+                "cpu_ms_per_attempt_node",
+                _or_dash(result["cpu_ms_per_attempt_node"]),
+                "ql3 serve, during the work",
+            ),
+            (
+                "cpu_ms_per_attempt_worker",
+                _or_dash(result["cpu_ms_per_attempt_worker"]),
+                "ql3 worker and its slot processes, start-up included",
+            ),
+            (
+                "cpu_ms_per_attempt_postgres",
+                _or_dash(result["cpu_ms_per_attempt_postgres"]),
+                postgres_note,
+            ),
+            ("meets_target", result["meets_target"], "both targets"),
             ("node_flags", "-", result["node_flags"]),
             ("ingress", "-", result["ingress"]),
             ("worker_flags", "-", result["worker_flags"]),
@@ -406,3 +492,6 @@ def main(args: argparse.Namespace, admin: str) -> int:
         print_json(result)
     return 0
 
+
+def _or_dash(value: float | None) -> float | str:
+    return "-" if value is None else value

@@ -51,6 +51,12 @@ def _positive_numbers(result: dict[str, object], keys: tuple[str, ...]) -> None:
         assert math.isfinite(value) and value > 0, (key, value)
 
 
+def _number(result: dict[str, object], key: str) -> float:
+    value = result[key]
+    assert isinstance(value, int | float) and not isinstance(value, bool), (key, value)
+    return float(value)
+
+
 def _bench_databases(server: PostgresServer) -> set[str]:
     """The benchmarks' throwaway databases (others come and go with concurrent test runs)."""
     with server.connect_admin() as conn:
@@ -142,15 +148,38 @@ def test_throughput_benchmark_reports_admission_work_and_pgqueuer(
     )
     result = _last_json(done)
     _positive_numbers(
-        result, ("admitted_per_s", "worked_per_s", "pgqueuer_worked_per_s", "ratio")
+        result,
+        (
+            "admitted_per_s",
+            "worked_per_s",
+            "pgqueuer_worked_per_s",
+            "pgqueuer_enqueue_per_s",
+            "ratio",
+            "cpu_ms_per_attempt_node",
+            "cpu_ms_per_attempt_worker",
+        ),
     )
+    # Null only when the server is not a process of this machine.
+    postgres_cpu = result["cpu_ms_per_attempt_postgres"]
+    assert postgres_cpu is None or float(postgres_cpu) > 0, result  # type: ignore[arg-type]
     assert (result["runs"], result["rounds"], result["slots"]) == (40, 1, 8)
     ratio = float(result["ratio"])  # type: ignore[arg-type]
     ours = float(result["worked_per_s"])  # type: ignore[arg-type]
     theirs = float(result["pgqueuer_worked_per_s"])  # type: ignore[arg-type]
     assert ratio == pytest.approx(ours / theirs, rel=0.01)
-    assert result["meets_target"] is (ratio >= 1.0)
-    assert "--concurrency 8" in str(result["worker_flags"])
+    assert result["meets_ratio_target"] is (ratio >= 1.0)
+    admitted = float(result["admitted_per_s"])  # type: ignore[arg-type]
+    enqueued = float(result["pgqueuer_enqueue_per_s"])  # type: ignore[arg-type]
+    assert result["meets_admission_target"] is (admitted >= enqueued / 3)
+    assert result["meets_target"] is (
+        result["meets_ratio_target"] and result["meets_admission_target"]
+    )
+    # The node and the worker run at their defaults, but for the worker's slots.
+    assert str(result["node_flags"]).startswith("ql3 serve --port 0 --ingress-database-url ")
+    assert "***" in str(result["node_flags"]), "the ingress role's password is printed"
+    worker_flags = str(result["worker_flags"])
+    assert worker_flags.startswith("ql3 worker --ingress http://127.0.0.1:")
+    assert worker_flags.endswith(" --concurrency 8")
     table = done.stdout.strip().splitlines()[:-1]
     assert any(line.startswith("pgqueuer_worked_per_s") for line in table), done.stdout
     assert result["ingress"] == "own role"
@@ -184,6 +213,86 @@ def test_throughput_without_pgqueuer_fails_in_one_line(
     assert _bench_databases(pg_server) == before
 
 
+def test_latency_benchmark_reports_idle_and_load_percentiles_against_pgqueuer(
+    pg_server: PostgresServer,
+) -> None:
+    before = _bench_databases(pg_server)
+    done = _run(
+        ["latency", "--runs", "3", "--rate", "20", "--seconds", "0.5", "--json"],
+        pg_server.admin_url,
+    )
+    result = _last_json(done)
+    keys = tuple(
+        f"{side}{phase}_{figure}_ms"
+        for side in ("", "pgqueuer_")
+        for phase in ("idle", "load")
+        for figure in ("p50", "p99")
+    )
+    _positive_numbers(result, (*keys, "load_achieved_per_s", "pgqueuer_load_achieved_per_s"))
+    ms = {key: _number(result, key) for key in result if key.endswith("_ms")}
+    for side in ("", "pgqueuer_"):
+        for phase in ("idle", "load"):
+            prefix = f"{side}{phase}"
+            assert ms[f"{prefix}_p50_ms"] <= ms[f"{prefix}_p99_ms"] <= ms[f"{prefix}_max_ms"]
+    assert (result["idle_runs"], result["load_runs"]) == (3, 10)
+    assert (result["rate_per_s"], result["seconds"]) == (20.0, 0.5)
+    assert result["meets_idle_p50_target"] is (ms["idle_p50_ms"] <= 10)
+    assert result["meets_idle_p99_target"] is (ms["idle_p99_ms"] <= 50)
+    assert ms["target_load_p99_ms"] == pytest.approx(2 * ms["pgqueuer_load_p99_ms"], abs=0.01)
+    assert result["meets_load_p99_target"] is (ms["load_p99_ms"] <= ms["target_load_p99_ms"])
+    assert result["meets_target"] is all(
+        result[f"meets_{name}_target"] for name in ("idle_p50", "idle_p99", "load_p99")
+    )
+    assert result["node_flags"] == "ql3 serve --port 0"
+    assert str(result["worker_flags"]).endswith(" --concurrency 8")
+    table = done.stdout.strip().splitlines()[:-1]
+    assert any(line.startswith("pgqueuer_load_p99_ms") for line in table), done.stdout
+    assert _bench_databases(pg_server) == before, "the benchmark left databases behind"
+
+
+def test_standalone_benchmark_reports_sqlite_throughput_against_huey() -> None:
+    done = _run(["standalone", "--runs", "20", "--rounds", "1", "--json"], admin_url=None)
+    result = _last_json(done)
+    _positive_numbers(
+        result,
+        ("worked_per_s", "huey_worked_per_s", "ratio", "admitted_per_s", "huey_enqueued_per_s"),
+    )
+    assert (result["runs"], result["rounds"], result["capacity"]) == (20, 1, 4)
+    ratio = float(result["ratio"])  # type: ignore[arg-type]
+    ours = float(result["worked_per_s"])  # type: ignore[arg-type]
+    theirs = float(result["huey_worked_per_s"])  # type: ignore[arg-type]
+    assert ratio == pytest.approx(ours / theirs, rel=0.01)
+    assert result["meets_target"] is (ratio >= 1.0)
+    for key in ("durability", "huey_durability"):
+        assert str(result[key]).startswith("synchronous="), result
+        assert " journal_mode=" in str(result[key]), result
+    assert str(result["ql3_flags"]).endswith(" --capacity 4")
+    table = done.stdout.strip().splitlines()[:-1]
+    assert any(line.startswith("huey_worked_per_s") for line in table), done.stdout
+
+
+def test_standalone_without_huey_fails_in_one_line(tmp_path: Path) -> None:
+    (tmp_path / "huey.py").write_text(
+        "raise ImportError(\"No module named 'huey'\", name='huey')\n"
+    )
+    env = {**os.environ}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tmp_path), env.get("PYTHONPATH")]))
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "standalone", "--runs", "10", "--json"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        check=False,
+    )
+    assert done.returncode == 1
+    assert done.stdout == ""
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert "pip install -e '.[bench]'" in lines[0]
+
+
 @pytest.mark.parametrize(
     "args",
     [
@@ -197,6 +306,11 @@ def test_throughput_without_pgqueuer_fails_in_one_line(
         ["recover-time", "--lease-ttl", "-1"],
         ["throughput", "--runs", "many"],
         ["throughput", "--admit-batch", "10001"],
+        ["latency", "--runs", "0"],
+        ["latency", "--rate", "0"],
+        ["latency", "--seconds", "soon"],
+        ["standalone", "--runs", "many"],
+        ["standalone", "--rounds", "21"],
     ],
 )
 def test_bad_arguments_end_with_one_line_and_status_2(args: list[str]) -> None:
