@@ -8,7 +8,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from application.scheduler import CycleSummary
-from application.worker_commands import Offer, WorkerCommands
+from application.worker_commands import (
+    BatchOutcome,
+    ClaimAnswer,
+    Completion,
+    Grant,
+    WorkerCommands,
+)
 from bootstrap import cluster
 from domain.fence import LeaseFence
 from domain.model import Run
@@ -55,54 +61,59 @@ def runtime(store: Any, advance: Callable[[int], None], **settings: Any) -> Runt
 
 @dataclass
 class WorkerDriver:
-    """One worker session that takes its offers and reports outcomes, in-process."""
+    """One worker session, in-process: it claims what its free slots allow (stating what it
+    holds, as a worker does) and reports outcomes, each through :class:`WorkerCommands`."""
 
     workers: WorkerCommands
     session_id: str
     secret: str
+    capacity: int
     fences: dict[str, LeaseFence] = field(default_factory=dict)
-    offers: dict[str, Offer] = field(default_factory=dict)
+    grants: dict[str, Grant] = field(default_factory=dict)
 
     @classmethod
     def register(
         cls, workers: WorkerCommands, worker_id: str, tasks: list[str], capacity: int = 8
     ) -> WorkerDriver:
         grant = workers.register(worker_id, capacity, tasks)
-        return cls(workers=workers, session_id=grant.session_id, secret=grant.secret)
+        return cls(
+            workers=workers, session_id=grant.session_id, secret=grant.secret, capacity=capacity
+        )
 
-    def heartbeat(self) -> list[Offer]:
-        return self.workers.heartbeat(self.session_id, self.secret)
+    def claim(
+        self, limit: int | None = None, completions: tuple[Completion, ...] = ()
+    ) -> ClaimAnswer:
+        """One claim of up to ``limit`` Attempts (the free slots by default); the worker states
+        every Attempt it holds, so an answer is never lost on it."""
+        free = self.capacity - len(self.fences)  # completions were taken out of fences
+        answer = self.workers.claim(
+            self.session_id,
+            self.secret,
+            limit=max(free, 0) if limit is None else limit,
+            completions=completions,
+            held=sorted(fence.attempt_id for fence in self.fences.values()),
+        )
+        assert answer.released == (), f"the store released held attempts: {answer.released}"
+        for grant in answer.grants:
+            assert grant.run_id not in self.fences, f"run {grant.run_id} granted twice"
+            self.fences[grant.run_id] = grant.fence
+            self.grants[grant.run_id] = grant
+        return answer
 
-    def start_all(self) -> list[Offer]:
-        """Accept every open offer and cross the start barrier; returns the offers taken."""
-        taken = []
-        for offer in self.heartbeat():
-            token = f"token-{offer.attempt_id}-{offer.generation}".ljust(24, "t")
-            self.workers.accept(
-                self.session_id,
-                self.secret,
-                offer.attempt_id,
-                offer.generation,
-                offer.version,
-                token,
-            )
-            fence = LeaseFence(
-                attempt_id=offer.attempt_id,
-                generation=offer.generation,
-                version=offer.version,
-                token=token,
-            )
-            self.workers.activate(self.session_id, self.secret, fence)
-            self.workers.mark_running(self.session_id, self.secret, fence)
-            self.fences[offer.run_id] = fence
-            self.offers[offer.run_id] = offer
-            taken.append(offer)
-        return taken
+    def claim_all(self) -> list[Grant]:
+        """Claim (and so start) as many Attempts as there are free slots; returns the grants."""
+        return list(self.claim().grants)
 
     def finish(
         self, run_id: str, *, succeeded: bool = True, output: Any = None, error: str | None = None
     ) -> None:
         fence = self.fences.pop(run_id)
-        self.workers.complete(
-            self.session_id, self.secret, fence, succeeded=succeeded, output=output, error=error
+        done = Completion(fence=fence, succeeded=succeeded, output=output, error=error)
+        (result,) = self.workers.complete_many(self.session_id, self.secret, [done]).results
+        assert result.outcome is (BatchOutcome.SUCCEEDED if succeeded else BatchOutcome.FAILED), (
+            result
         )
+
+    def completion(self, run_id: str, *, succeeded: bool = True, output: Any = None) -> Completion:
+        """The completion of a held Run, to send with the next claim (forgotten here)."""
+        return Completion(fence=self.fences.pop(run_id), succeeded=succeeded, output=output)

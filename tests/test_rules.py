@@ -1,8 +1,11 @@
-"""One group of tests per rule of DESIGN.md (ADR-0232), driven through the real application
-services over the memory store."""
+"""One group of tests per rule, driven through the real application services over the memory
+store: rules 1 to 5 are the decisions of docs/adr/0002-cluster-runtime-recovery.md (ADR-0232);
+rule 6 is docs/adr/0007-claim-protocol.md's hand-back: a Run without a policy never fails
+without having run."""
 
 from __future__ import annotations
 
+import importlib
 import subprocess
 import sys
 import textwrap
@@ -10,12 +13,12 @@ import threading
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 
 import adapters.memory.store as memory_store
 from adapters.memory import FakeClock, MemoryStore
-from adapters.sql.sqlite import SqliteStore
 from application.budgets import InvalidPageSize
 from application.lost_retry import LostRetry
 from application.recovery import RuntimeRecovery
@@ -25,9 +28,10 @@ from application.scheduler import (
     CycleSummary,
     SchedulerCoordinator,
 )
-from bootstrap import cluster, edge, standalone
-from domain.errors import FenceRejected
-from domain.model import AttemptStatus, LeaseStatus, ReleaseReason, RunStatus
+from application.worker_commands import BatchOutcome, NoGrant, Rejection
+from bootstrap import cluster
+from domain.fence import LeaseFence
+from domain.model import AttemptStatus, EvidenceKind, LeaseStatus, ReleaseReason, RunStatus
 from domain.policy import Backoff, RetryPolicy, Safety
 from tests.application.support import (
     LEASE_TTL_MS,
@@ -45,16 +49,18 @@ SAFE_NO_WAIT = RetryPolicy(retry_on_lost=True, max_attempts=3, safety=Safety.IDE
 
 
 def _dispatched(svc: Services, count: int, *, policy: RetryPolicy | None = None,
-                worker_id: str = "w1") -> tuple[Worker, list[str]]:
+                worker_id: str = "w1", gone: bool = False) -> tuple[Worker, list[str]]:
+    """``count`` Runs claimed (so started) by one worker; ``gone``: the worker then closes its
+    session, which is not-running evidence for recovery once the leases expire."""
     run_ids = [svc.admission.submit("t", policy=policy) for _ in range(count)]
     worker = register(svc, worker_id, capacity=max(count, 1))
-    while svc.dispatch.run_once().offered:
-        pass
-    worker.take_all()
+    assert len(worker.take_all(limit=max(count, 1))) == count
+    if gone:
+        svc.workers.close(worker.session_id, worker.secret)
     return worker, run_ids
 
 
-def _fence_of(worker: Worker, svc: Services, run_id: str):  # type: ignore[no-untyped-def]
+def _fence_of(worker: Worker, svc: Services, run_id: str) -> LeaseFence:
     return worker.fences[current_attempt(svc.store, run_id).id]
 
 
@@ -63,7 +69,7 @@ def _fence_of(worker: Worker, svc: Services, run_id: str):  # type: ignore[no-un
 
 def test_rule_1_continuous_runtime_recovery_reads_a_bounded_page() -> None:
     svc = build_services()
-    _dispatched(svc, 70)
+    _dispatched(svc, 70, gone=True)
     svc.clock.advance(LEASE_TTL_MS + 1)
     page = svc.store.recovery_candidates(16)
     assert (len(page.items), page.has_more) == (16, True)
@@ -82,7 +88,7 @@ def test_rule_1_continuous_runtime_recovery_reads_a_bounded_page() -> None:
 def test_rule_1_continuous_runtime_recovery_only_expired_non_pristine_candidates() -> None:
     svc = build_services()
     pristine = svc.admission.submit("no-worker-takes-this")
-    _, (live_run,) = _dispatched(svc, 1)
+    _, (live_run,) = _dispatched(svc, 1, gone=True)
     assert svc.store.recovery_candidates(16).items == ()
     assert current_attempt(svc.store, pristine).is_pristine
     svc.clock.advance(LEASE_TTL_MS + 1)
@@ -97,8 +103,7 @@ def test_rule_1_continuous_runtime_recovery_only_expired_non_pristine_candidates
 
 def test_rule_1_continuous_runtime_recovery_fails_closed_without_evidence() -> None:
     svc = build_services()
-    worker, (run_id,) = _dispatched(svc, 1)
-    worker.start(_fence_of(worker, svc, run_id))
+    worker, _ = _dispatched(svc, 1)  # claimed, so started; the session stays open
     svc.clock.advance(LEASE_TTL_MS + 1)
     before = store_view(svc.store, [worker.session_id])
     for _ in range(3):  # tried again every cycle, and each time left as it is
@@ -110,11 +115,9 @@ def test_rule_1_continuous_runtime_recovery_fails_closed_without_evidence() -> N
 
 def test_rule_1_continuous_runtime_recovery_unresolved_candidates_do_not_starve_others() -> None:
     svc = build_services()
-    stuck_worker, stuck_runs = _dispatched(svc, 64, worker_id="stuck")
-    for run_id in stuck_runs:
-        stuck_worker.start(_fence_of(stuck_worker, svc, run_id))
+    _, stuck_runs = _dispatched(svc, 64, worker_id="stuck")  # open session: no evidence
     svc.clock.advance(1_000)
-    _, (resolvable,) = _dispatched(svc, 1, worker_id="other")
+    _, (resolvable,) = _dispatched(svc, 1, worker_id="other", gone=True)
     svc.clock.advance(LEASE_TTL_MS + 1)
     summary = svc.coordinator.run_cycle()
     assert summary.ok
@@ -130,7 +133,7 @@ def test_rule_1_continuous_runtime_recovery_happens_without_a_restart() -> None:
     svc = build_services()
     container = cluster.build(store=svc.store)
     coordinator = container.coordinator()
-    _, (run_id,) = _dispatched(svc, 1)
+    _, (run_id,) = _dispatched(svc, 1, gone=True)
     svc.clock.advance(LEASE_TTL_MS + 1)
     summary = coordinator.run_cycle()
     assert summary.ok
@@ -154,7 +157,7 @@ def test_rule_2_atomic_lost_and_lease_release_roll_back_together(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     svc = build_services()
-    worker, (run_id,) = _dispatched(svc, 1)
+    worker, (run_id,) = _dispatched(svc, 1, gone=True)
     svc.clock.advance(LEASE_TTL_MS + 1)
     before = store_view(svc.store, [worker.session_id])
     with monkeypatch.context() as patch:
@@ -165,18 +168,16 @@ def test_rule_2_atomic_lost_and_lease_release_roll_back_together(
         assert summary.aborted_at == "runtime_recovery"
     assert store_view(svc.store, [worker.session_id]) == before
     view = run_view(svc.store, run_id)
-    assert view.run.status is RunStatus.DISPATCHING
-    assert view.attempts[0].status is AttemptStatus.CLAIMED
+    assert view.run.status is RunStatus.RUNNING
+    assert view.attempts[0].status is AttemptStatus.RUNNING
     assert view.leases[0].status is LeaseStatus.LEASED
     assert view.leases[0].version == 1
 
 
 def test_rule_2_atomic_lost_and_lease_release_together_then_old_fence_is_void() -> None:
     svc = build_services()
-    worker, (run_id,) = _dispatched(svc, 1)
+    worker, (run_id,) = _dispatched(svc, 1, gone=True)
     fence = _fence_of(worker, svc, run_id)
-    worker.start(fence)
-    svc.workers.close(worker.session_id, worker.secret)
     svc.clock.advance(LEASE_TTL_MS + 1)
     assert svc.recovery.run_once().recovered == 1
     view = run_view(svc.store, run_id)
@@ -190,27 +191,25 @@ def test_rule_2_atomic_lost_and_lease_release_together_then_old_fence_is_void() 
     assert [e[1] for e in view.events][-1] == "attempt_lost"
     # The old worker comes back with a fresh session of another id: its fence is void.
     back = register(svc, "w1")
-    back.fences = dict(worker.fences)
     before = store_view(svc.store, [worker.session_id, back.session_id])
-    with pytest.raises(FenceRejected):
-        svc.workers.renew(back.session_id, back.secret, fence)
-    with pytest.raises(FenceRejected):
-        svc.workers.complete(back.session_id, back.secret, fence, succeeded=True)
+    for result in (back.renew(fence), back.complete(fence), back.release(fence)):
+        assert result.rejection is Rejection.FENCE
     assert store_view(svc.store, [worker.session_id, back.session_id]) == before
 
 
 def test_rule_2_atomic_lost_and_lease_release_old_worker_with_open_session() -> None:
     svc = build_services()
     worker, (run_id,) = _dispatched(svc, 1)
-    fence = _fence_of(worker, svc, run_id)  # accepted, never started
+    fence = _fence_of(worker, svc, run_id)
+    svc.workers.attest_stopped(fence.attempt_id, "host powered off")  # the session stays open
     svc.clock.advance(LEASE_TTL_MS + 1)
     assert svc.recovery.run_once().recovered == 1
+    assert current_attempt(svc.store, run_id).lost_evidence is EvidenceKind.OPERATOR_ATTESTED
     before = store_view(svc.store, [worker.session_id])
-    for call in (svc.workers.renew, svc.workers.activate):
-        with pytest.raises(FenceRejected):
-            call(worker.session_id, worker.secret, fence)
-    with pytest.raises(FenceRejected):
-        svc.workers.complete(worker.session_id, worker.secret, fence, succeeded=True)
+    results = [worker.renew(fence), worker.complete(fence), worker.release(fence),
+               worker.abandon(fence, "late")]
+    assert [r.rejection for r in results] == [Rejection.FENCE] * 4
+    assert worker.claim(limit=1, held=[]).released == ()  # a lost Attempt is not handed back
     assert store_view(svc.store, [worker.session_id]) == before
 
 
@@ -224,7 +223,7 @@ def test_rule_3_lost_retry_only_when_declared_safe_creates_attempt_n_plus_1(
     svc = build_services()
     policy = RetryPolicy(retry_on_lost=True, max_attempts=2, safety=safety,
                          backoff=Backoff(initial_ms=5_000, cap_ms=5_000))
-    worker, (run_id,) = _dispatched(svc, 1, policy=policy)
+    _, (run_id,) = _dispatched(svc, 1, policy=policy, gone=True)
     svc.clock.advance(LEASE_TTL_MS + 1)
     svc.recovery.run_once()
     report = svc.lost_retry.run_once()
@@ -247,8 +246,10 @@ def test_rule_3_lost_retry_only_when_declared_safe_creates_attempt_n_plus_1(
     assert view.attempts[1].lease_version is None
     assert view.leases[0].status is LeaseStatus.RELEASED
     # The second loss exhausts max_attempts=2: failed.
-    svc.dispatch.run_once()
-    worker.take_all()
+    again = register(svc, "w2")
+    (grant,) = again.grants()
+    assert (grant.run_id, grant.attempt_number, grant.generation) == (run_id, 2, 2)
+    svc.workers.close(again.session_id, again.secret)
     svc.clock.advance(LEASE_TTL_MS + 1)
     svc.coordinator.run_cycle()
     assert run_view(svc.store, run_id).run.status is RunStatus.FAILED
@@ -270,7 +271,7 @@ def test_rule_3_lost_retry_only_when_declared_safe_otherwise_failed(
     policy: RetryPolicy | None, reason: str
 ) -> None:
     svc = build_services()
-    _, (run_id,) = _dispatched(svc, 1, policy=policy)
+    _, (run_id,) = _dispatched(svc, 1, policy=policy, gone=True)
     svc.clock.advance(LEASE_TTL_MS + 1)
     summary = svc.coordinator.run_cycle()
     assert summary.step("lost_retry").counts["failed"] == 1
@@ -284,11 +285,11 @@ def test_rule_3_lost_retry_only_when_declared_safe_otherwise_failed(
 def test_rule_3_lost_retry_only_when_declared_safe_exhausted_is_failed() -> None:
     svc = build_services()
     _, (run_id,) = _dispatched(svc, 1, policy=SAFE_NO_WAIT)
-    for _ in range(3):
+    for number in (2, 3, None):
+        worker = register(svc, "w1")  # replaces the session that holds the Attempt: evidence
         svc.clock.advance(LEASE_TTL_MS + 1)
-        svc.coordinator.run_cycle()  # lost -> retry_wait -> queued -> offered again
-        worker = register(svc, "w1")
-        worker.take_all()
+        svc.coordinator.run_cycle()  # lost -> retry_wait -> queued, while attempts are left
+        assert [g.attempt_number for g in worker.grants()] == ([number] if number else [])
     view = run_view(svc.store, run_id)
     assert view.run.status is RunStatus.FAILED
     assert [a.number for a in view.attempts] == [1, 2, 3]
@@ -299,11 +300,11 @@ def test_rule_3_lost_retry_only_when_declared_safe_broken_head_stops_the_step(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     svc = build_services()
-    worker, lost_runs = _dispatched(svc, 2, policy=SAFE_NO_WAIT)
+    worker, lost_runs = _dispatched(svc, 2, policy=SAFE_NO_WAIT, gone=True)
     svc.clock.advance(LEASE_TTL_MS + 1)
     assert svc.recovery.run_once().recovered == 2
-    waiting = svc.admission.submit("t")  # queued work the admission step would offer
-    register(svc, "w2")
+    waiting = svc.admission.submit("t")  # queued work a claim would take
+    other = register(svc, "w2")
     head, second = (c.run_id for c in svc.store.lost_runs(16).items)
     assert {head, second} == set(lost_runs)
     original = memory_store.MemoryRunRepository.apply
@@ -320,6 +321,10 @@ def test_rule_3_lost_retry_only_when_declared_safe_broken_head_stops_the_step(
     assert [s.name for s in summary.steps] == ["runtime_recovery", "lost_retry"]
     assert store_view(svc.store, [worker.session_id]) == before
     assert run_view(svc.store, second).run.status is RunStatus.LOST
+    # No new work is dispatched while lease authority is unknown: the gate is closed.
+    refused = other.claim(limit=4)
+    assert (refused.grants, refused.no_grant) == ((), NoGrant.GATE_CLOSED)
+    assert refused.detail is not None and "broken head candidate" in refused.detail
     assert run_view(svc.store, waiting).run.status is RunStatus.QUEUED
     with pytest.raises(RuntimeError, match="broken head"):
         svc.lost_retry.run_once()
@@ -327,7 +332,10 @@ def test_rule_3_lost_retry_only_when_declared_safe_broken_head_stops_the_step(
     monkeypatch.undo()
     summary = svc.coordinator.run_cycle()
     assert summary.ok
-    assert run_view(svc.store, second).run.status is RunStatus.DISPATCHING
+    assert summary.step("task_attempt_admission").counts["gate_opened"] == 1
+    assert run_view(svc.store, second).run.status is RunStatus.QUEUED
+    granted = {g.run_id for g in other.grants()}
+    assert granted == {*lost_runs, waiting}
 
 
 # === Rule 4: one cadence, fixed order =============================================================
@@ -350,7 +358,17 @@ class RecordingStep:
         return {"ran": 1}
 
 
-def _recording(fail: str | None = None) -> tuple[ClusterSchedulerCoordinator, list[str]]:
+@dataclass
+class RecordingGate:
+    closed: list[str] = field(default_factory=list)
+
+    def close(self, reason: str) -> None:
+        self.closed.append(reason)
+
+
+def _recording(
+    fail: str | None = None,
+) -> tuple[ClusterSchedulerCoordinator, list[str], RecordingGate]:
     calls: list[str] = []
     names = ClusterSchedulerCoordinator.STEP_NAMES
     step = {n: RecordingStep(n, calls, fail=(n == fail)) for n in names}
@@ -359,32 +377,47 @@ def _recording(fail: str | None = None) -> tuple[ClusterSchedulerCoordinator, li
         workflow_frontier=step["workflow_frontier"],
         task_attempt_admission=step["task_attempt_admission"],
     )
+    gate = RecordingGate()
     return ClusterSchedulerCoordinator(
-        runtime_recovery=step["runtime_recovery"], lost_retry=step["lost_retry"], inner=inner
-    ), calls
+        runtime_recovery=step["runtime_recovery"],
+        lost_retry=step["lost_retry"],
+        inner=inner,
+        gate=gate,
+    ), calls, gate
 
 
 def test_rule_4_one_cadence_fixed_order() -> None:
-    coordinator, calls = _recording()
+    coordinator, calls, gate = _recording()
     summary = coordinator.run_cycle()
     expected = ["runtime_recovery", "lost_retry", "trigger_schedule", "workflow_frontier",
                 "task_attempt_admission"]
     assert calls == expected
     assert [s.name for s in summary.steps] == expected
     assert summary.ok and all(s.counts == {"ran": 1} for s in summary.steps)
+    assert gate.closed == []
 
 
-@pytest.mark.parametrize("failing", ["runtime_recovery", "lost_retry"])
-def test_rule_4_one_cadence_fixed_order_aborts_after_a_failure(failing: str) -> None:
-    coordinator, calls = _recording(fail=failing)
+@pytest.mark.parametrize(
+    ("failing", "closes_the_gate"),
+    [("runtime_recovery", True), ("lost_retry", True), ("trigger_schedule", False),
+     ("workflow_frontier", False)],
+)
+def test_rule_4_one_cadence_fixed_order_aborts_after_a_failure(
+    failing: str, closes_the_gate: bool
+) -> None:
+    coordinator, calls, gate = _recording(fail=failing)
     summary = coordinator.run_cycle()
     order = list(ClusterSchedulerCoordinator.STEP_NAMES)
     assert calls == order[: order.index(failing) + 1]
     assert summary.aborted_at == failing
     assert not summary.ok
-    assert summary.step(failing).error == f"RuntimeError: {failing} failed"
+    step = summary.step(failing)
+    assert step is not None and step.error == f"RuntimeError: {failing} failed"
     for later in order[order.index(failing) + 1:]:
         assert summary.step(later) is None
+    # Only a failure that leaves lease authority unknown stops dispatch beyond this cycle.
+    expected = [f"{failing} failed: RuntimeError: {failing} failed"] if closes_the_gate else []
+    assert gate.closed == expected
 
 
 def test_rule_4_one_cadence_fixed_order_cluster_container_wiring() -> None:
@@ -396,12 +429,14 @@ def test_rule_4_one_cadence_fixed_order_cluster_container_wiring() -> None:
     assert container.coordinator() is coordinator
     assert container.lifecycle() is container.lifecycle()
     run_id = container.core.admission().submit("t")
-    grant = container.core.worker_commands().register("w1", 1, ["t"])
+    workers = container.core.worker_commands()
+    grant = workers.register("w1", 1, ["t"])
     summary = coordinator.run_cycle()
     assert [s.name for s in summary.steps] == list(ClusterSchedulerCoordinator.STEP_NAMES)
-    assert summary.step("task_attempt_admission").counts["offered"] == 1
-    offers = container.core.worker_commands().heartbeat(grant.session_id, grant.secret)
-    assert [o.run_id for o in offers] == [run_id]
+    step = summary.step("task_attempt_admission")
+    assert step is not None and step.counts == {"gate_opened": 0}
+    answer = workers.claim(grant.session_id, grant.secret, limit=1)
+    assert [g.run_id for g in answer.grants] == [run_id]
 
 
 def test_rule_4_coordinator_holds_only_its_collaborators() -> None:
@@ -409,9 +444,11 @@ def test_rule_4_coordinator_holds_only_its_collaborators() -> None:
     coordinator = svc.coordinator
     assert not hasattr(coordinator, "__dict__")
     slots = [s for cls in type(coordinator).__mro__ for s in getattr(cls, "__slots__", ())]
-    assert sorted(slots) == ["_inner", "_lost_retry", "_recovery"]
+    assert sorted(slots) == ["_gate", "_inner", "_lost_retry", "_recovery"]
     values = [getattr(coordinator, s) for s in slots]
-    assert {id(v) for v in values} == {id(svc.recovery), id(svc.lost_retry), id(svc.inner)}
+    assert {id(v) for v in values} == {
+        id(svc.recovery), id(svc.lost_retry), id(svc.inner), id(svc.gate)
+    }
     forbidden = (type(threading.Lock()), type(threading.RLock()), threading.Thread,
                  threading.Timer, threading.Condition, threading.Event, dict, list, set)
     for value in values:
@@ -589,7 +626,7 @@ def test_rule_5_no_wider_footprint_one_lifecycle_one_thread() -> None:
         new = set(threading.enumerate()) - ours
         assert [t.name for t in new] == ["ql3-scheduler"]
         # Recovery and lost retry run without creating threads of their own.
-        _dispatched(svc, 3, policy=SAFE_NO_WAIT)
+        _dispatched(svc, 3, policy=SAFE_NO_WAIT, gone=True)
         svc.clock.advance(LEASE_TTL_MS + 1)
         before = set(threading.enumerate())
         assert container.runtime_recovery().run_once().recovered == 3
@@ -605,8 +642,20 @@ def test_rule_5_no_wider_footprint_one_lifecycle_one_thread() -> None:
 CLUSTER_ONLY = (RuntimeRecovery, LostRetry, ClusterSchedulerCoordinator, ClusterSchedulerLifecycle)
 
 
-@pytest.mark.parametrize("profile", [standalone, edge], ids=["standalone", "edge"])
-def test_rule_5_no_wider_footprint_standalone_and_edge_declare_no_cluster_steps(profile) -> None:  # type: ignore[no-untyped-def]
+LOCAL_PROFILES = ["standalone", "edge"]
+
+
+def _profile(name: str) -> Any:
+    """The profile's composition root, imported here: the cluster rules above do not need the
+    SQLite adapter these profiles load."""
+    return importlib.import_module(f"bootstrap.{name}")
+
+
+@pytest.mark.parametrize("name", LOCAL_PROFILES)
+def test_rule_5_no_wider_footprint_standalone_and_edge_declare_no_cluster_steps(name: str) -> None:
+    from adapters.sql.sqlite import SqliteStore
+
+    profile = _profile(name)
     container = profile.build()
     provided = []
     for provider in container.traverse():
@@ -619,8 +668,9 @@ def test_rule_5_no_wider_footprint_standalone_and_edge_declare_no_cluster_steps(
         assert not issubclass(cls, CLUSTER_ONLY), cls
 
 
-@pytest.mark.parametrize("profile", [standalone, edge], ids=["standalone", "edge"])
-def test_rule_5_no_wider_footprint_standalone_and_edge_build_no_cluster_objects(profile) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("name", LOCAL_PROFILES)
+def test_rule_5_no_wider_footprint_standalone_and_edge_build_no_cluster_objects(name: str) -> None:
+    profile = _profile(name)
     store = MemoryStore(FakeClock())
     container = profile.build(store=store)
     built = [
@@ -628,7 +678,7 @@ def test_rule_5_no_wider_footprint_standalone_and_edge_build_no_cluster_objects(
         container.core.scheduler(),
         container.core.admission(),
         container.core.worker_commands(),
-        container.core.task_attempt_admission(),
+        container.core.dispatch_gate(),
     ]
     for obj in built:
         assert not isinstance(obj, CLUSTER_ONLY)
@@ -662,3 +712,73 @@ def test_rule_5_no_wider_footprint_standalone_and_edge_never_load_postgres() -> 
                             timeout=120, cwd=str(__import__("pathlib").Path(__file__).parents[1]))
     assert result.returncode == 0, result.stderr
     assert "LOADED:\n" in result.stdout or result.stdout.strip() == "LOADED:"
+
+
+# === Rule 6: a Run without a policy never fails without having run (ADR 0007) =================
+
+
+def test_rule_6_a_run_without_a_policy_never_fails_without_having_run() -> None:
+    svc = build_services()
+    run_id = svc.admission.submit("t")  # no retry policy: a lost verdict would fail it
+    worker = register(svc, capacity=1)
+    lost_answer = svc.workers.claim(worker.session_id, worker.secret, limit=1)
+    (never_received,) = lost_answer.grants  # the answer never reached the worker
+    # The worker calls again within a third of the lease TTL, as it always does.
+    svc.clock.advance(LEASE_TTL_MS // 3)
+    svc.coordinator.run_cycle()
+    assert run_view(svc.store, run_id).run.status is RunStatus.RUNNING
+    # Its next call states what it holds: nothing. The Attempt is handed back.
+    answer = worker.claim(limit=0, held=[])
+    assert answer.released == (never_received.attempt_id,)
+    assert run_view(svc.store, run_id).run.status is RunStatus.QUEUED
+    # Claimed again (the next generation), it runs and succeeds.
+    (grant,) = worker.grants(limit=1)
+    assert (grant.attempt_id, grant.attempt_number, grant.generation) == (
+        never_received.attempt_id, 1, 2
+    )
+    assert worker.complete(grant.fence, output="done").outcome is BatchOutcome.SUCCEEDED
+    view = run_view(svc.store, run_id)
+    assert (view.run.status, view.run.output) == (RunStatus.SUCCEEDED, "done")
+    assert [e[1] for e in view.events] == [
+        "run_admitted", "attempt_started", "attempt_released", "attempt_started",
+        "attempt_succeeded",
+    ]
+    assert [a.status for a in view.attempts] == [AttemptStatus.SUCCEEDED]
+    assert [(lease.generation, lease.release_reason) for lease in view.leases] == [
+        (1, ReleaseReason.HANDED_BACK), (2, ReleaseReason.COMPLETED)
+    ]
+    # The grant that never arrived cannot act any more.
+    assert worker.complete(never_received.fence).rejection is Rejection.FENCE
+
+
+def test_rule_6_a_run_without_a_policy_handed_back_on_drain_runs_elsewhere() -> None:
+    svc = build_services()
+    run_id = svc.admission.submit("t")
+    leaving = register(svc, "w1", capacity=1)
+    (fence,) = leaving.take_all()
+    svc.workers.drain(leaving.session_id, leaving.secret)
+    assert leaving.release(fence, cause="draining").outcome is BatchOutcome.RELEASED
+    svc.workers.close(leaving.session_id, leaving.secret)
+    svc.clock.advance(LEASE_TTL_MS + 1)
+    summary = svc.coordinator.run_cycle()  # a closed session is evidence, but nothing is held
+    assert summary.step("runtime_recovery").counts["recovered"] == 0
+    assert summary.step("lost_retry").counts["failed"] == 0
+    staying = register(svc, "w2", capacity=1)
+    (grant,) = staying.grants()
+    assert staying.complete(grant.fence).outcome is BatchOutcome.SUCCEEDED
+    kinds = [e[1] for e in run_view(svc.store, run_id).events]
+    assert "attempt_lost" not in kinds and "run_failed" not in kinds
+    assert run_view(svc.store, run_id).run.status is RunStatus.SUCCEEDED
+
+
+def test_rule_6_a_lost_verdict_still_needs_evidence_or_an_abandon_report() -> None:
+    """The hand-back is for what never began; an Attempt the worker did start and then lost
+    still fails closed, as rule 1 says."""
+    svc = build_services()
+    run_id = svc.admission.submit("t")
+    worker = register(svc, capacity=1)
+    (fence,) = worker.take_all()
+    assert worker.abandon(fence, "the task crashed").outcome is BatchOutcome.LOST
+    svc.coordinator.run_cycle()
+    assert run_view(svc.store, run_id).run.status is RunStatus.FAILED  # no policy: no retry
+    assert worker.claim(limit=1, held=[]).released == ()

@@ -1,6 +1,7 @@
 """Shared helpers for the application and rule tests: the services wired directly over a
 ``MemoryStore`` (the same graph ``bootstrap.cluster`` declares), deterministic identities, a
-worker driver and a full, port-level picture of the store used for before/after comparisons."""
+worker driver (claims, and every fenced command as a batch of one) and a full, port-level
+picture of the store used for before/after comparisons."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from dataclasses import dataclass, field
 
 from adapters.memory import FakeClock, MemoryStore
 from application.admission import Admission
-from application.dispatch import TaskAttemptAdmission
+from application.dispatch import DispatchGateStep
 from application.lost_retry import LostRetry
 from application.recovery import RuntimeRecovery
 from application.scheduler import (
@@ -20,12 +21,21 @@ from application.scheduler import (
     SchedulerCoordinator,
 )
 from application.startup import StartupRecovery
-from application.worker_commands import Offer, SessionGrant, WorkerCommands
+from application.worker_commands import (
+    Abandonment,
+    BatchAnswer,
+    ClaimAnswer,
+    Completion,
+    Grant,
+    ItemResult,
+    Release,
+    SessionGrant,
+    WorkerCommands,
+)
 from domain.fence import LeaseFence
-from domain.model import Attempt, DispatchLease, Run, StopReport, WorkerSession
+from domain.model import Attempt, DispatchLease, JsonValue, Run, StopReport, WorkerSession
 
 LEASE_TTL_MS = 30_000
-SILENCE_MS = 60_000
 
 
 class CountingIdentities:
@@ -50,7 +60,7 @@ class Services:
     identities: CountingIdentities
     admission: Admission
     workers: WorkerCommands
-    dispatch: TaskAttemptAdmission
+    gate: DispatchGateStep
     recovery: RuntimeRecovery
     lost_retry: LostRetry
     inner: SchedulerCoordinator
@@ -62,24 +72,19 @@ def build_services(
     store: MemoryStore | None = None,
     *,
     lease_ttl_ms: int = LEASE_TTL_MS,
-    silence_ms: int = SILENCE_MS,
     page_size: int | None = None,
-    dispatch_page_size: int | None = None,
 ) -> Services:
     if store is None:
         store = MemoryStore(FakeClock())
     identities = CountingIdentities()
     uow = store.unit_of_work
-    dispatch = TaskAttemptAdmission(
-        uow, store, lease_ttl_ms=lease_ttl_ms, max_silence_ms=silence_ms,
-        page_size=dispatch_page_size,
-    )
+    gate = DispatchGateStep(uow, store)
     recovery = RuntimeRecovery(uow, store, page_size=page_size)
     lost_retry = LostRetry(uow, store, identities, page_size=page_size)
     inner = SchedulerCoordinator(
         trigger_schedule=NoTriggerSchedule(),
         workflow_frontier=NoWorkflowFrontier(),
-        task_attempt_admission=dispatch,
+        task_attempt_admission=gate,
     )
     return Services(
         clock=store.clock,
@@ -87,12 +92,12 @@ def build_services(
         identities=identities,
         admission=Admission(uow, identities),
         workers=WorkerCommands(uow, identities, lease_ttl_ms=lease_ttl_ms),
-        dispatch=dispatch,
+        gate=gate,
         recovery=recovery,
         lost_retry=lost_retry,
         inner=inner,
         coordinator=ClusterSchedulerCoordinator(
-            runtime_recovery=recovery, lost_retry=lost_retry, inner=inner
+            runtime_recovery=recovery, lost_retry=lost_retry, inner=inner, gate=gate
         ),
         startup=StartupRecovery(uow, store, identities, page_size=page_size),
     )
@@ -114,34 +119,62 @@ class Worker:
     def secret(self) -> str:
         return self.grant.secret
 
-    def offers(self) -> list[Offer]:
-        return self.services.workers.heartbeat(self.session_id, self.secret)
-
-    def accept(self, offer: Offer, token: str | None = None) -> LeaseFence:
-        token = token or f"token-{offer.attempt_id}-{offer.generation}".ljust(24, "t")
-        self.services.workers.accept(
-            self.session_id, self.secret, offer.attempt_id, offer.generation, offer.version, token
+    def claim(
+        self,
+        limit: int = 1,
+        *,
+        completions: tuple[Completion, ...] = (),
+        held: list[str] | None = None,
+    ) -> ClaimAnswer:
+        """One claim call; the fences of its grants are kept."""
+        answer = self.services.workers.claim(
+            self.session_id, self.secret, limit=limit, completions=completions, held=held
         )
-        fence = LeaseFence(
-            attempt_id=offer.attempt_id,
-            generation=offer.generation,
-            version=offer.version,
-            token=token,
-        )
-        self.fences[offer.attempt_id] = fence
-        return fence
+        for grant in answer.grants:
+            self.fences[grant.attempt_id] = grant.fence
+        return answer
 
-    def take_all(self) -> list[LeaseFence]:
-        return [self.accept(offer) for offer in self.offers()]
+    def grants(self, limit: int = 16) -> list[Grant]:
+        return list(self.claim(limit).grants)
 
-    def start(self, fence: LeaseFence, *, running: bool = True) -> None:
-        self.services.workers.activate(self.session_id, self.secret, fence)
-        if running:
-            self.services.workers.mark_running(self.session_id, self.secret, fence)
+    def take_all(self, limit: int = 16) -> list[LeaseFence]:
+        """Claim (and so start) as much as the session may take."""
+        return [grant.fence for grant in self.grants(limit)]
+
+    # Every fenced command is a batch; these send a batch of one and return its one result.
+
+    def complete(
+        self,
+        fence: LeaseFence,
+        *,
+        succeeded: bool = True,
+        output: JsonValue = None,
+        error: str | None = None,
+    ) -> ItemResult:
+        done = Completion(fence=fence, succeeded=succeeded, output=output, error=error)
+        return only(self.services.workers.complete_many(self.session_id, self.secret, [done]))
+
+    def renew(self, fence: LeaseFence) -> ItemResult:
+        return only(self.services.workers.renew_many(self.session_id, self.secret, [fence]))
+
+    def abandon(self, fence: LeaseFence, detail: str = "") -> ItemResult:
+        stopped = Abandonment(fence=fence, detail=detail)
+        return only(self.services.workers.abandon_many(self.session_id, self.secret, [stopped]))
+
+    def release(self, fence: LeaseFence, cause: str = "not_started") -> ItemResult:
+        back = Release(fence=fence, cause=cause)
+        return only(self.services.workers.release_many(self.session_id, self.secret, [back]))
 
 
-def register(services: Services, worker_id: str = "w1", tasks: Iterable[str] = ("t",),
-             capacity: int = 4) -> Worker:
+def only(answer: BatchAnswer) -> ItemResult:
+    """The one result of a batch of one."""
+    (result,) = answer.results
+    return result
+
+
+def register(
+    services: Services, worker_id: str = "w1", tasks: Iterable[str] = ("t",), capacity: int = 4
+) -> Worker:
     grant = services.workers.register(worker_id, capacity, list(tasks))
     return Worker(services=services, grant=grant)
 

@@ -7,15 +7,24 @@ from attrs import evolve
 
 from application.admission import AdmissionRequest, UnknownRun
 from application.budgets import InvalidPageSize, validate_page_size
-from application.worker_commands import SessionUnauthorized, UnknownAttempt, UnknownSession
+from application.worker_commands import (
+    BatchOutcome,
+    ItemResult,
+    NoGrant,
+    PollAnswer,
+    Rejection,
+    SessionUnauthorized,
+    UnknownAttempt,
+    UnknownSession,
+)
 from domain.errors import (
     FenceReason,
-    FenceRejected,
     InvalidAdmission,
     InvalidRetryPolicy,
     InvalidTransition,
     SessionRejected,
 )
+from domain.fence import LeaseFence, hash_token
 from domain.model import (
     AttemptStatus,
     EvidenceKind,
@@ -28,6 +37,7 @@ from domain.policy import RetryPolicy, Safety
 from tests.application.support import (
     LEASE_TTL_MS,
     Services,
+    Worker,
     build_services,
     current_attempt,
     event_types,
@@ -95,16 +105,16 @@ def test_cancel(svc: Services) -> None:
 def test_cancel_of_a_running_run_fences_out_the_worker(svc: Services) -> None:
     run_id = svc.admission.submit("t")
     worker = register(svc)
-    svc.dispatch.run_once()
     (fence,) = worker.take_all()
-    worker.start(fence)
     svc.admission.cancel(run_id)
     lease = run_view(svc.store, run_id).leases[0]
     assert lease.status is LeaseStatus.RELEASED
     assert lease.release_reason is ReleaseReason.CANCELLED
     before = store_view(svc.store, [worker.session_id])
-    with pytest.raises(FenceRejected):
-        svc.workers.complete(worker.session_id, worker.secret, fence, succeeded=True)
+    result = worker.complete(fence)  # the release moved the lease's version on
+    assert (result.rejection, result.reason) == (
+        Rejection.FENCE, FenceReason.VERSION_MISMATCH.value
+    )
     assert store_view(svc.store, [worker.session_id]) == before
 
 
@@ -114,25 +124,41 @@ def test_cancel_of_a_running_run_fences_out_the_worker(svc: Services) -> None:
 def test_worker_happy_path_end_to_end(svc: Services) -> None:
     run_id = svc.admission.submit("t", {"n": 2})
     worker = register(svc)
-    assert worker.offers() == []  # nothing offered before the dispatch step
-    report = svc.dispatch.run_once()
-    assert report.offered == 1
-    (offer,) = worker.offers()
-    assert (offer.run_id, offer.task, offer.input, offer.generation, offer.version) == (
-        run_id, "t", {"n": 2}, 1, 1
+    assert svc.workers.poll(worker.session_id, worker.secret) == PollAnswer(
+        now_ms=svc.clock.now_ms(), status=SessionStatus.ACTIVE
     )
-    fence = worker.accept(offer)
-    assert worker.offers() == []  # an accepted offer is no longer an open offer
-    svc.workers.activate(worker.session_id, worker.secret, fence)
-    assert run_view(svc.store, run_id).run.status is RunStatus.RUNNING
-    svc.workers.mark_running(worker.session_id, worker.secret, fence)
+    answer = worker.claim(limit=4)
+    (grant,) = answer.grants
+    attempt_id = current_attempt(svc.store, run_id).id
+    assert (answer.now_ms, answer.completed, answer.released, answer.no_grant) == (
+        svc.clock.now_ms(), (), (), None
+    )
+    assert (grant.run_id, grant.attempt_id, grant.attempt_number, grant.task, grant.input) == (
+        run_id, attempt_id, 1, "t", {"n": 2}
+    )
+    assert (grant.generation, grant.version, grant.idempotency_key) == (1, 1, run_id)
+    assert grant.expires_at_ms == svc.clock.now_ms() + LEASE_TTL_MS
+    # The claim crossed the start barrier: the Attempt runs, under a lease bound to the token.
+    view = run_view(svc.store, run_id)
+    assert view.run.status is RunStatus.RUNNING
+    attempt = view.attempts[0]
+    assert attempt.status is AttemptStatus.RUNNING
+    assert (attempt.session_id, attempt.lease_generation, attempt.lease_version) == (
+        worker.session_id, 1, 1
+    )
+    assert attempt.started_at_ms == svc.clock.now_ms()
+    (lease,) = view.leases
+    assert lease.token_hash == hash_token(grant.token)
+    assert (lease.status, lease.holder_session_id) == (LeaseStatus.LEASED, worker.session_id)
+    again = worker.claim(limit=4)  # nothing else is queued: nothing is granted twice
+    assert (again.grants, again.no_grant) == ((), NoGrant.NOTHING_QUEUED)
     svc.clock.advance(20_000)
-    expires = svc.workers.renew(worker.session_id, worker.secret, fence)
-    assert expires == svc.clock.now_ms() + LEASE_TTL_MS
+    renewed = worker.renew(grant.fence)
+    assert renewed.outcome is BatchOutcome.RENEWED
+    assert renewed.expires_at_ms == svc.clock.now_ms() + LEASE_TTL_MS
     lease = run_view(svc.store, run_id).leases[0]
-    assert (lease.version, lease.expires_at_ms) == (1, expires)
-    svc.workers.complete(worker.session_id, worker.secret, fence, succeeded=True,
-                         output={"r": 1})
+    assert (lease.version, lease.expires_at_ms) == (1, renewed.expires_at_ms)
+    assert worker.complete(grant.fence, output={"r": 1}).outcome is BatchOutcome.SUCCEEDED
     view = run_view(svc.store, run_id)
     assert view.run.status is RunStatus.SUCCEEDED
     assert view.run.output == {"r": 1}
@@ -141,18 +167,16 @@ def test_worker_happy_path_end_to_end(svc: Services) -> None:
     assert view.leases[0].version == 2
     assert view.attempts[0].lease_version == 2
     assert [e[1] for e in view.events] == [
-        "run_admitted", "attempt_offered", "attempt_accepted", "attempt_activated",
-        "attempt_running", "attempt_succeeded",
+        "run_admitted", "attempt_started", "attempt_succeeded",
     ]
 
 
 def test_renew_writes_no_event(svc: Services) -> None:
     run_id = svc.admission.submit("t")
     worker = register(svc)
-    svc.dispatch.run_once()
     (fence,) = worker.take_all()
     before = event_types(svc.store, run_id)
-    svc.workers.renew(worker.session_id, worker.secret, fence)
+    assert worker.renew(fence).ok
     assert event_types(svc.store, run_id) == before
 
 
@@ -161,10 +185,8 @@ def test_task_failure_fails_the_run(svc: Services) -> None:
         "t", policy=RetryPolicy(retry_on_lost=True, max_attempts=3, safety=Safety.IDEMPOTENT)
     )
     worker = register(svc)
-    svc.dispatch.run_once()
     (fence,) = worker.take_all()
-    worker.start(fence)
-    svc.workers.complete(worker.session_id, worker.secret, fence, succeeded=False, error="bad")
+    assert worker.complete(fence, succeeded=False, error="bad").outcome is BatchOutcome.FAILED
     view = run_view(svc.store, run_id)
     assert view.run.status is RunStatus.FAILED
     assert view.run.error == "bad"
@@ -177,16 +199,16 @@ def test_new_session_of_the_same_worker_replaces_the_old_one_and_is_evidence(
 ) -> None:
     run_id = svc.admission.submit("t")
     old = register(svc, "w1")
-    svc.dispatch.run_once()
-    (fence,) = old.take_all()
-    old.start(fence)
+    old.take_all()
     new = register(svc, "w1")
     assert new.grant.replaced_session_ids == (old.session_id,)
     with svc.store.unit_of_work() as uow:
         replaced = uow.sessions.get(old.session_id)
     assert replaced is not None and replaced.status is SessionStatus.REPLACED
     with pytest.raises(SessionRejected):
-        old.offers()
+        svc.workers.poll(old.session_id, old.secret)
+    with pytest.raises(SessionRejected):
+        old.claim()
     # The lease is still live: nothing happens until it expires.
     svc.recovery.run_once()
     assert current_attempt(svc.store, run_id).status is AttemptStatus.RUNNING
@@ -204,9 +226,7 @@ def test_new_session_of_the_same_worker_replaces_the_old_one_and_is_evidence(
 def test_close_is_evidence_for_recovery(svc: Services) -> None:
     run_id = svc.admission.submit("t")
     worker = register(svc)
-    svc.dispatch.run_once()
-    (fence,) = worker.take_all()
-    worker.start(fence)
+    worker.take_all()
     svc.workers.close(worker.session_id, worker.secret)
     with pytest.raises(SessionRejected):
         svc.workers.close(worker.session_id, worker.secret)
@@ -218,9 +238,7 @@ def test_close_is_evidence_for_recovery(svc: Services) -> None:
 def test_expired_running_attempt_without_evidence_stays(svc: Services) -> None:
     run_id = svc.admission.submit("t")
     worker = register(svc)
-    svc.dispatch.run_once()
-    (fence,) = worker.take_all()
-    worker.start(fence)
+    worker.take_all()
     svc.clock.advance(LEASE_TTL_MS + 1)
     before = store_view(svc.store, [worker.session_id])
     report = svc.recovery.run_once()
@@ -232,11 +250,8 @@ def test_expired_running_attempt_without_evidence_stays(svc: Services) -> None:
 def test_abandon_with_a_live_lease_is_lost_at_once(svc: Services) -> None:
     run_id = svc.admission.submit("t")
     worker = register(svc)
-    svc.dispatch.run_once()
     (fence,) = worker.take_all()
-    worker.start(fence)
-    outcome = svc.workers.abandon(worker.session_id, worker.secret, fence, "shutting down")
-    assert outcome.outcome == "lost"
+    assert worker.abandon(fence, "shutting down").outcome is BatchOutcome.LOST
     view = run_view(svc.store, run_id)
     assert view.run.status is RunStatus.LOST
     assert view.attempts[0].status is AttemptStatus.LOST
@@ -248,13 +263,10 @@ def test_abandon_with_a_live_lease_is_lost_at_once(svc: Services) -> None:
 def test_abandon_after_expiry_is_recorded_as_evidence(svc: Services) -> None:
     run_id = svc.admission.submit("t")
     worker = register(svc)
-    svc.dispatch.run_once()
     (fence,) = worker.take_all()
-    worker.start(fence)
     svc.clock.advance(LEASE_TTL_MS + 1)
     events_before = event_types(svc.store, run_id)
-    outcome = svc.workers.abandon(worker.session_id, worker.secret, fence, "late")
-    assert outcome.outcome == "recorded"
+    assert worker.abandon(fence, "late").outcome is BatchOutcome.RECORDED
     assert event_types(svc.store, run_id) == [*events_before, "evidence_recorded"]
     with svc.store.unit_of_work() as uow:
         reports = uow.evidence.reports_for(fence.attempt_id)
@@ -267,9 +279,7 @@ def test_abandon_after_expiry_is_recorded_as_evidence(svc: Services) -> None:
 def test_attest_stopped_is_evidence(svc: Services) -> None:
     run_id = svc.admission.submit("t")
     worker = register(svc)
-    svc.dispatch.run_once()
     (fence,) = worker.take_all()
-    worker.start(fence)
     with pytest.raises(InvalidAdmission):
         svc.workers.attest_stopped(fence.attempt_id, "   ")
     with pytest.raises(UnknownAttempt):
@@ -284,25 +294,36 @@ def test_attest_stopped_is_evidence(svc: Services) -> None:
 
 
 def test_bad_secret_and_unknown_session(svc: Services) -> None:
-    worker = register(svc)
-    with pytest.raises(SessionUnauthorized):
-        svc.workers.heartbeat(worker.session_id, "wrong-secret")
-    with pytest.raises(UnknownSession):
-        svc.workers.heartbeat("no-such-session", worker.secret)
-    with pytest.raises(SessionUnauthorized):
-        svc.workers.close(worker.session_id, "wrong-secret")
-
-
-def test_accept_token_length_is_checked(svc: Services) -> None:
     svc.admission.submit("t")
     worker = register(svc)
-    svc.dispatch.run_once()
-    (offer,) = worker.offers()
-    with pytest.raises(InvalidAdmission):
-        worker.accept(offer, token="short")
+    before = store_view(svc.store, [worker.session_id])
+    with pytest.raises(SessionUnauthorized):
+        svc.workers.poll(worker.session_id, "wrong-secret")
+    with pytest.raises(SessionUnauthorized):
+        svc.workers.claim(worker.session_id, "wrong-secret", limit=1)
+    with pytest.raises(UnknownSession):
+        svc.workers.poll("no-such-session", worker.secret)
+    with pytest.raises(UnknownSession):
+        svc.workers.claim("no-such-session", worker.secret, limit=1)
+    with pytest.raises(SessionUnauthorized):
+        svc.workers.close(worker.session_id, "wrong-secret")
+    assert store_view(svc.store, [worker.session_id]) == before  # nothing was claimed
 
 
-@pytest.mark.parametrize("command", ["activate", "mark_running", "renew", "complete", "abandon"])
+def _fenced_call(worker: Worker, command: str, fence: LeaseFence) -> ItemResult:
+    if command == "complete":
+        return worker.complete(fence)
+    if command == "abandon":
+        return worker.abandon(fence, "x")
+    if command == "release":
+        return worker.release(fence)
+    return worker.renew(fence)
+
+
+FENCED_COMMANDS = ["renew", "complete", "abandon", "release"]
+
+
+@pytest.mark.parametrize("command", FENCED_COMMANDS)
 @pytest.mark.parametrize(
     ("mutation", "reason"),
     [
@@ -316,51 +337,38 @@ def test_stale_fences_are_rejected_and_change_nothing(
 ) -> None:
     svc.admission.submit("t")
     worker = register(svc)
-    svc.dispatch.run_once()
     (fence,) = worker.take_all()
-    if command in ("mark_running", "complete"):
-        svc.workers.activate(worker.session_id, worker.secret, fence)
     stale = evolve(fence, **mutation)
     before = store_view(svc.store, [worker.session_id])
-    call = getattr(svc.workers, command)
-    with pytest.raises(FenceRejected) as raised:
-        if command == "complete":
-            call(worker.session_id, worker.secret, stale, succeeded=True)
-        elif command == "abandon":
-            call(worker.session_id, worker.secret, stale, "x")
-        else:
-            call(worker.session_id, worker.secret, stale)
-    assert raised.value.reason is reason
+    result = _fenced_call(worker, command, stale)
+    assert (result.outcome, result.rejection, result.reason) == (
+        None, Rejection.FENCE, reason.value
+    )
     assert store_view(svc.store, [worker.session_id]) == before
 
 
-def test_another_sessions_fence_is_rejected(svc: Services) -> None:
+@pytest.mark.parametrize("command", FENCED_COMMANDS)
+def test_another_sessions_fence_is_rejected(svc: Services, command: str) -> None:
     svc.admission.submit("t")
     owner = register(svc, "w1")
     intruder = register(svc, "w2")
-    svc.dispatch.run_once()
-    offers = owner.offers() + intruder.offers()
-    (offer,) = offers
-    holder = owner if owner.offers() else intruder
-    other = intruder if holder is owner else owner
-    fence = holder.accept(offer)
+    (fence,) = owner.take_all()
+    assert intruder.take_all() == []
     before = store_view(svc.store, [owner.session_id, intruder.session_id])
-    with pytest.raises(FenceRejected):
-        svc.workers.activate(other.session_id, other.secret, fence)
+    result = _fenced_call(intruder, command, fence)  # the right token, the wrong session
+    assert result.rejection is Rejection.FENCE
     assert store_view(svc.store, [owner.session_id, intruder.session_id]) == before
 
 
 def test_expired_fence_is_rejected_and_changes_nothing(svc: Services) -> None:
     svc.admission.submit("t")
     worker = register(svc)
-    svc.dispatch.run_once()
     (fence,) = worker.take_all()
     svc.clock.advance(LEASE_TTL_MS + 5)
     before = store_view(svc.store, [worker.session_id])
-    for call in (svc.workers.activate, svc.workers.renew):
-        with pytest.raises(FenceRejected) as raised:
-            call(worker.session_id, worker.secret, fence)
-        assert raised.value.reason is FenceReason.EXPIRED
+    for command in ("renew", "complete"):
+        result = _fenced_call(worker, command, fence)
+        assert (result.rejection, result.reason) == (Rejection.FENCE, FenceReason.EXPIRED.value)
     assert store_view(svc.store, [worker.session_id]) == before
 
 

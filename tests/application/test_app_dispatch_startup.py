@@ -1,16 +1,17 @@
-"""Task attempt admission (dispatch) and startup recovery on the memory store."""
+"""Claims (capacity, tasks, fairness, lease generations) and startup recovery on the memory
+store."""
 
 from __future__ import annotations
 
 from collections import Counter
 
 from application.admission import AdmissionRequest
+from application.worker_commands import NoGrant
 from domain.model import AttemptStatus, LeaseStatus, RunOwner, RunStatus
 from domain.policy import Backoff, RetryPolicy, Safety
 from domain.transitions import admit
 from tests.application.support import (
     LEASE_TTL_MS,
-    SILENCE_MS,
     Services,
     build_services,
     current_attempt,
@@ -29,83 +30,98 @@ def _leased_by(svc: Services) -> Counter[str]:
     return held
 
 
-def test_dispatch_respects_session_capacity() -> None:
+def test_claims_respect_session_capacity() -> None:
     svc = build_services()
     svc.admission.submit_many([AdmissionRequest(task="t") for _ in range(10)])
     small = register(svc, "w1", capacity=2)
     big = register(svc, "w2", capacity=3)
-    report = svc.dispatch.run_once()
-    assert report.offered == 5
+    assert len(small.grants(limit=16)) == 2
+    assert len(big.grants(limit=16)) == 3
     assert _leased_by(svc) == {small.session_id: 2, big.session_id: 3}
-    assert svc.dispatch.run_once().offered == 0
+    full = small.claim(limit=16)
+    assert (full.grants, full.no_grant) == ((), NoGrant.NO_CAPACITY)
     # Finishing one frees one slot.
-    (fence, *_) = small.take_all()
-    small.start(fence)
-    svc.workers.complete(small.session_id, small.secret, fence, succeeded=True)
-    assert svc.dispatch.run_once().offered == 1
+    (fence, *_) = small.fences.values()
+    assert small.complete(fence).ok
+    assert len(small.grants(limit=16)) == 1
     assert _leased_by(svc)[small.session_id] == 2
 
 
-def test_silent_and_draining_sessions_get_nothing() -> None:
+def test_a_claim_takes_no_more_than_its_limit() -> None:
+    svc = build_services()
+    svc.admission.submit_many([AdmissionRequest(task="t") for _ in range(5)])
+    worker = register(svc, capacity=8)
+    assert len(worker.grants(limit=2)) == 2
+    nothing = worker.claim(limit=0)  # a claim of nothing asks for nothing: no reason given
+    assert (nothing.grants, nothing.no_grant) == ((), None)
+    assert _leased_by(svc) == {worker.session_id: 2}
+
+
+def test_a_draining_session_gets_nothing() -> None:
     svc = build_services()
     svc.admission.submit_many([AdmissionRequest(task="t") for _ in range(3)])
-    silent = register(svc, "w1")
-    svc.clock.advance(SILENCE_MS + 1)
-    assert svc.dispatch.run_once().offered == 0
-    assert silent.offers() == []  # the heartbeat makes it live again
     draining = register(svc, "w2")
     svc.workers.drain(draining.session_id, draining.secret)
-    assert svc.dispatch.run_once().offered == 3
-    assert len(silent.offers()) == 3
-    assert draining.offers() == []
+    answer = draining.claim(limit=4)
+    assert (answer.grants, answer.no_grant) == ((), NoGrant.SESSION_NOT_ACTIVE)
+    assert _leased_by(svc) == {}
+    other = register(svc, "w1")
+    assert len(other.grants(limit=4)) == 3
 
 
 def test_sessions_only_get_their_tasks() -> None:
     svc = build_services()
-    svc.admission.submit("x")
+    run_id = svc.admission.submit("x")
     worker = register(svc, "w1", tasks=["t"])
-    assert svc.dispatch.run_once().offered == 0
-    assert worker.offers() == []
+    answer = worker.claim(limit=4)
+    assert (answer.grants, answer.no_grant) == ((), NoGrant.NOTHING_QUEUED)
+    assert run_view(svc.store, run_id).run.status is RunStatus.QUEUED
 
 
 def test_a_flood_of_one_task_does_not_starve_another() -> None:
-    svc = build_services(dispatch_page_size=4)
+    svc = build_services()
     svc.admission.submit_many([AdmissionRequest(task="a") for _ in range(100)])
     b_run = svc.admission.submit("b")
     worker = register(svc, "w1", tasks=["a", "b"], capacity=4)
-    svc.dispatch.run_once()
-    offered_tasks = Counter(o.task for o in worker.offers())
-    assert offered_tasks["b"] == 1
-    assert sum(offered_tasks.values()) == 4
-    assert run_view(svc.store, b_run).run.status is RunStatus.DISPATCHING
+    claimed_tasks = Counter(g.task for g in worker.grants(limit=4))
+    assert claimed_tasks == {"a": 3, "b": 1}
+    assert run_view(svc.store, b_run).run.status is RunStatus.RUNNING
 
 
-def test_dispatch_spreads_offers_over_sessions() -> None:
+def test_two_sessions_never_get_the_same_attempt() -> None:
     svc = build_services()
-    svc.admission.submit_many([AdmissionRequest(task="t") for _ in range(4)])
+    run_ids = svc.admission.submit_many([AdmissionRequest(task="t") for _ in range(4)])
     one = register(svc, "w1", capacity=4)
     two = register(svc, "w2", capacity=4)
-    svc.dispatch.run_once()
-    assert len(one.offers()) == 2
-    assert len(two.offers()) == 2
+    first = [one.grants(limit=1)[0], two.grants(limit=1)[0]]
+    rest = one.grants(limit=1) + two.grants(limit=4)
+    granted = [g.run_id for g in first + rest]
+    assert sorted(granted) == sorted(run_ids)  # each once
+    assert _leased_by(svc) == {one.session_id: 2, two.session_id: 2}
+    assert one.claim(limit=4).no_grant is NoGrant.NOTHING_QUEUED
 
 
-def test_each_offer_is_a_new_generation_after_a_lost_attempt() -> None:
+def test_each_claim_is_a_new_generation_after_a_lost_attempt() -> None:
     svc = build_services()
     policy = RetryPolicy(retry_on_lost=True, max_attempts=3, safety=Safety.IDEMPOTENT,
                          backoff=Backoff(initial_ms=0, cap_ms=0))
     run_id = svc.admission.submit("t", policy=policy)
     worker = register(svc)
-    svc.dispatch.run_once()
-    worker.take_all()
+    (old,) = worker.take_all()
+    svc.workers.close(worker.session_id, worker.secret)  # evidence: the worker is gone
     svc.clock.advance(LEASE_TTL_MS + 1)
-    svc.coordinator.run_cycle()  # lost -> retry_wait -> attempt 2 -> offered
+    svc.coordinator.run_cycle()  # lost -> retry_wait -> attempt 2 queued
+    assert run_view(svc.store, run_id).run.status is RunStatus.QUEUED
+    back = register(svc, "w1")
+    (grant,) = back.grants()
+    assert (grant.run_id, grant.attempt_number, grant.generation) == (run_id, 2, 2)
     view = run_view(svc.store, run_id)
     assert [a.number for a in view.attempts] == [1, 2]
     assert [(lease.generation, lease.status) for lease in view.leases] == [
         (1, LeaseStatus.RELEASED), (2, LeaseStatus.LEASED)
     ]
     assert view.attempts[1].lease_generation == 2
+    assert old.attempt_id != grant.attempt_id
 
 
 # --- startup recovery ---------------------------------------------------------------------------
@@ -148,12 +164,12 @@ def test_startup_resolves_expired_candidates_and_settles_lost_runs() -> None:
                        backoff=Backoff(initial_ms=60_000, cap_ms=60_000))
     unsafe = [svc.admission.submit("t") for _ in range(3)]
     retryable = [svc.admission.submit("t", policy=safe) for _ in range(2)]
+    gone = register(svc, "gone", capacity=10)
+    assert len(gone.take_all()) == 5
+    svc.workers.close(gone.session_id, gone.secret)  # evidence for its five Attempts
     started = svc.admission.submit("t")
-    worker = register(svc, capacity=10)
-    svc.dispatch.run_once()
-    fences = {f.attempt_id: f for f in worker.take_all()}
-    started_attempt = current_attempt(svc.store, started).id
-    worker.start(fences[started_attempt])
+    alive = register(svc, "alive", capacity=10)
+    assert [g.run_id for g in alive.grants()] == [started]  # no evidence for this one
     svc.clock.advance(LEASE_TTL_MS + 1)
     report = svc.startup.run()
     assert report.recovered == 5

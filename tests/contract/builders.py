@@ -1,5 +1,8 @@
 """Build store states through the real domain transitions, the way the application does: lock,
-decide with a pure transition at the store's clock, apply as compare-and-set.
+decide with a pure transition at the store's clock, apply as compare-and-set. A running Attempt
+is made by :func:`domain.transitions.claim` (ADR 0007); the rows the offer protocol of ADR 0005
+left behind (offered, accepted, activated) are built as such rows, since no transition makes
+them any more and the stores must still recover, complete and hand them back.
 
 Functions taking a ``uow`` work inside the caller's transaction; the ``given_*`` functions open
 and commit their own. Identifiers differ only in letters and digits so that every store orders
@@ -13,15 +16,21 @@ from contextlib import contextmanager
 from typing import Any
 
 import pytest
+from attrs import evolve
 
 from application.ports import Snapshot, UnitOfWork
 from domain.errors import ConcurrencyConflict
+from domain.events import EventType, RunEvent
 from domain.fence import LeaseFence, hash_token
 from domain.model import (
+    AttemptStatus,
+    DispatchLease,
     EvidenceKind,
+    LeaseStatus,
     NotRunningEvidence,
     ReleaseReason,
     RunOwner,
+    RunStatus,
     StopReport,
     WorkerSession,
 )
@@ -30,14 +39,12 @@ from domain.retry import settle_lost_run, start_next_attempt
 from domain.sessions import close, drain, register_session
 from domain.transitions import (
     Change,
-    accept,
-    activate,
     admit,
+    claim,
     complete,
     create_first_attempt,
-    grant_lease,
     mark_lost,
-    mark_running,
+    release,
 )
 
 TASK = "mail"
@@ -139,15 +146,23 @@ def register(
     return session
 
 
-def offer(uow: UnitOfWork, attempt_id: str, session_id: str, ttl_ms: int = TTL_MS) -> Change:
+def claim_attempt(
+    uow: UnitOfWork,
+    attempt_id: str,
+    session_id: str,
+    ttl_ms: int = TTL_MS,
+    token: str | None = None,
+) -> Change:
+    """The session claims the pristine Attempt and starts it (a new lease bound to the token)."""
     before = locked_attempt(uow, attempt_id)
     session = uow.sessions.get(session_id)
     assert session is not None and before.attempt is not None
-    change = grant_lease(
+    change = claim(
         run=before.run,
         attempt=before.attempt,
         previous_lease=before.lease,
         session=session,
+        token_hash=hash_token(token or token_of(attempt_id)),
         ttl_ms=ttl_ms,
         now_ms=uow.now_ms(),
     )
@@ -155,22 +170,77 @@ def offer(uow: UnitOfWork, attempt_id: str, session_id: str, ttl_ms: int = TTL_M
     return change
 
 
-def accept_offer(
-    uow: UnitOfWork, attempt_id: str, token: str | None = None, ttl_ms: int = TTL_MS
-) -> Change:
+def hand_back(uow: UnitOfWork, attempt_id: str, cause: str = "not_started") -> Change:
+    """The holder hands the Attempt back unstarted: pristine again, its Run queued."""
     before = locked_attempt(uow, attempt_id)
     assert before.attempt is not None and before.lease is not None
-    change = accept(
+    change = release(
         run=before.run,
         attempt=before.attempt,
         lease=before.lease,
         session_id=before.lease.holder_session_id,
-        generation=before.lease.generation,
-        version=before.lease.version,
-        token_hash=hash_token(token or token_of(attempt_id)),
-        ttl_ms=ttl_ms,
+        cause=cause,
         now_ms=uow.now_ms(),
     )
+    uow.runs.apply(before, change)
+    return change
+
+
+LEGACY_STAGES = ("offered", "accepted", "starting")
+
+
+def legacy_offer(
+    uow: UnitOfWork,
+    attempt_id: str,
+    session_id: str,
+    ttl_ms: int = TTL_MS,
+    stage: str = "offered",
+) -> Change:
+    """The rows ADR 0005's offer protocol left for a pristine Attempt: ``offered`` (Run
+    ``dispatching``, Attempt ``claimed``, a lease bound to no token), ``accepted`` (the token
+    bound) or ``starting`` (Run ``running``, Attempt ``starting``), with that stage's event."""
+    assert stage in LEGACY_STAGES, stage
+    before = locked_attempt(uow, attempt_id)
+    session = uow.sessions.get(session_id)
+    assert session is not None and before.attempt is not None and before.attempt.is_pristine
+    now = uow.now_ms()
+    generation = before.lease.generation + 1 if before.lease else 1
+    lease = DispatchLease(
+        run_id=before.run.id,
+        attempt_id=attempt_id,
+        generation=generation,
+        version=1,
+        status=LeaseStatus.LEASED,
+        holder_session_id=session_id,
+        token_hash=None if stage == "offered" else hash_token(token_of(attempt_id)),
+        expires_at_ms=now + ttl_ms,
+        granted_at_ms=now,
+    )
+    started = stage == "starting"
+    attempt = evolve(
+        before.attempt,
+        status=AttemptStatus.STARTING if started else AttemptStatus.CLAIMED,
+        session_id=session_id,
+        worker_id=session.worker_id,
+        lease_generation=generation,
+        lease_version=1,
+        offered_at_ms=now,
+        accepted_at_ms=None if stage == "offered" else now,
+        started_at_ms=now if started else None,
+        updated_at_ms=now,
+    )
+    run = evolve(
+        before.run,
+        status=RunStatus.RUNNING if started else RunStatus.DISPATCHING,
+        updated_at_ms=now,
+    )
+    kind = {
+        "offered": EventType.ATTEMPT_OFFERED,
+        "accepted": EventType.ATTEMPT_ACCEPTED,
+        "starting": EventType.ATTEMPT_ACTIVATED,
+    }[stage]
+    event = RunEvent(run_id=run.id, attempt_id=attempt_id, type=kind, at_ms=now)
+    change = Change(run=run, attempts=(attempt,), lease=lease, event=event)
     uow.runs.apply(before, change)
     return change
 
@@ -183,35 +253,6 @@ def fence_of(before: Snapshot, token: str | None = None) -> LeaseFence:
         version=before.lease.version,
         token=token or token_of(before.attempt.id),
     )
-
-
-def activate_attempt(uow: UnitOfWork, attempt_id: str, ttl_ms: int = TTL_MS) -> Change:
-    before = locked_attempt(uow, attempt_id)
-    assert before.attempt is not None
-    change = activate(
-        run=before.run,
-        attempt=before.attempt,
-        lease=before.lease,
-        fence=fence_of(before),
-        ttl_ms=ttl_ms,
-        now_ms=uow.now_ms(),
-    )
-    uow.runs.apply(before, change)
-    return change
-
-
-def report_running(uow: UnitOfWork, attempt_id: str) -> Change:
-    before = locked_attempt(uow, attempt_id)
-    assert before.attempt is not None
-    change = mark_running(
-        run=before.run,
-        attempt=before.attempt,
-        lease=before.lease,
-        fence=fence_of(before),
-        now_ms=uow.now_ms(),
-    )
-    uow.runs.apply(before, change)
-    return change
 
 
 def finish(uow: UnitOfWork, attempt_id: str, *, succeeded: bool = True) -> Change:
@@ -315,40 +356,45 @@ def given_created(store: Any, run_id: str, **admission: Any) -> None:
         admit_run(uow, run_id, queued=False, **admission)
 
 
-def given_offered(
-    store: Any, run_id: str, session_id: str, ttl_ms: int = TTL_MS, **admission: Any
-) -> str:
-    """A dispatching Run whose Attempt 1 is offered to ``session_id`` (not accepted)."""
-    attempt_id = given_queued(store, run_id, **admission)
-    with committed(store) as uow:
-        offer(uow, attempt_id, session_id, ttl_ms)
-    return attempt_id
-
-
-def given_accepted(
-    store: Any, run_id: str, session_id: str, ttl_ms: int = TTL_MS, **admission: Any
-) -> str:
-    attempt_id = given_offered(store, run_id, session_id, ttl_ms, **admission)
-    with committed(store) as uow:
-        accept_offer(uow, attempt_id, ttl_ms=ttl_ms)
-    return attempt_id
-
-
 def given_started(
     store: Any, run_id: str, session_id: str, ttl_ms: int = TTL_MS, **admission: Any
 ) -> str:
-    """A running Run whose Attempt 1 crossed the start barrier (``starting``)."""
-    attempt_id = given_accepted(store, run_id, session_id, ttl_ms, **admission)
+    """A running Run whose Attempt 1 ``session_id`` claimed (and so started)."""
+    attempt_id = given_queued(store, run_id, **admission)
     with committed(store) as uow:
-        activate_attempt(uow, attempt_id, ttl_ms=ttl_ms)
+        claim_attempt(uow, attempt_id, session_id, ttl_ms)
     return attempt_id
 
 
-def given_lost(store: Any, run_id: str, session_id: str, **admission: Any) -> str:
-    """A ``lost`` Run: Attempt 1 was offered, then lost (its lease released)."""
-    attempt_id = given_offered(store, run_id, session_id, **admission)
+def given_legacy(
+    store: Any,
+    run_id: str,
+    session_id: str,
+    ttl_ms: int = TTL_MS,
+    stage: str = "offered",
+    **admission: Any,
+) -> str:
+    """A Run whose Attempt 1 the offer protocol of ADR 0005 left at ``stage``."""
+    attempt_id = given_queued(store, run_id, **admission)
     with committed(store) as uow:
-        lose(uow, attempt_id)
+        legacy_offer(uow, attempt_id, session_id, ttl_ms, stage)
+    return attempt_id
+
+
+def given_offered(
+    store: Any, run_id: str, session_id: str, ttl_ms: int = TTL_MS, **admission: Any
+) -> str:
+    """A ``dispatching`` Run whose Attempt 1 was offered under ADR 0005 and never accepted:
+    resolvable by recovery as soon as its lease expires."""
+    return given_legacy(store, run_id, session_id, ttl_ms, "offered", **admission)
+
+
+def given_lost(store: Any, run_id: str, session_id: str, **admission: Any) -> str:
+    """A ``lost`` Run: Attempt 1 was claimed, then lost with the worker's report as evidence
+    (its lease released)."""
+    attempt_id = given_started(store, run_id, session_id, **admission)
+    with committed(store) as uow:
+        lose(uow, attempt_id, EvidenceKind.WORKER_ABANDONED)
     return attempt_id
 
 

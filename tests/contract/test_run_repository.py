@@ -23,18 +23,16 @@ from domain.model import (
     RunStatus,
 )
 from domain.retry import settle_lost_run
-from domain.transitions import Change, accept, admit, grant_lease, mark_running
+from domain.transitions import Change, admit, claim, complete, release
 from tests.contract.builders import (
     RETRY_SAFELY,
     TTL_MS,
-    accept_offer,
-    activate_attempt,
     admit_run,
     attempt_id_of,
+    claim_attempt,
     committed,
     fence_of,
     finish,
-    given_accepted,
     given_created,
     given_lost,
     given_offered,
@@ -42,20 +40,20 @@ from tests.contract.builders import (
     given_retry_wait,
     given_session,
     given_started,
+    hand_back,
     locked_attempt,
     locked_run,
     lose,
     next_attempt,
-    offer,
     refused,
-    report_running,
     settle,
+    token_of,
 )
 
 
 def _marker_event(run_id: str, attempt_id: str | None, at_ms: int) -> RunEvent:
     return RunEvent(
-        run_id=run_id, attempt_id=attempt_id, type=EventType.ATTEMPT_RUNNING, at_ms=at_ms
+        run_id=run_id, attempt_id=attempt_id, type=EventType.EVIDENCE_RECORDED, at_ms=at_ms
     )
 
 
@@ -141,7 +139,7 @@ def test_lock_attempt_of_a_pristine_attempt_has_no_lease(store: Any) -> None:
 
 def test_lock_attempt_gives_the_lease_of_the_attempts_generation(store: Any) -> None:
     given_session(store, "s1")
-    attempt_id = given_offered(store, "r1", "s1")
+    attempt_id = given_started(store, "r1", "s1")
     with store.unit_of_work() as uow:
         snapshot = locked_attempt(uow, attempt_id)
         assert snapshot.attempt is not None and snapshot.attempt.lease_generation == 1
@@ -171,7 +169,7 @@ def test_a_fresh_attempt_after_a_retry_sees_the_runs_latest_lease(
         assert lost.attempt is not None and lost.attempt.status is AttemptStatus.LOST
 
     with committed(store) as uow:
-        change = offer(uow, second, "s1")
+        change = claim_attempt(uow, second, "s1")
     assert change.lease is not None and change.lease.generation == 2
 
     with store.unit_of_work() as uow:
@@ -188,17 +186,22 @@ def test_apply_persists_run_attempt_lease_and_event_together(store: Any) -> None
     given_session(store, "s1")
     attempt_id = given_queued(store, "r1")
     with committed(store) as uow:
-        change = offer(uow, attempt_id, "s1")
+        change = claim_attempt(uow, attempt_id, "s1")
 
     with store.unit_of_work() as uow:
         assert uow.runs.get_run("r1") == change.run
-        assert uow.runs.get_run("r1").status is RunStatus.DISPATCHING
-        assert uow.runs.get_attempt(attempt_id) == change.attempts[0]
+        assert uow.runs.get_run("r1").status is RunStatus.RUNNING
+        attempt = uow.runs.get_attempt(attempt_id)
+        assert attempt == change.attempts[0]
+        assert attempt.status is AttemptStatus.RUNNING and attempt.started_at_ms is not None
         assert list(uow.runs.leases_of("r1")) == [change.lease]
+        assert change.lease is not None and change.lease.token_hash == hash_token(
+            token_of(attempt_id)
+        )
         events = list(uow.runs.events_of("r1"))
         assert [e.event.type for e in events] == [
             EventType.RUN_ADMITTED,
-            EventType.ATTEMPT_OFFERED,
+            EventType.ATTEMPT_STARTED,
         ]
         assert events[1].event == change.event
         assert events[0].sequence < events[1].sequence
@@ -206,31 +209,197 @@ def test_apply_persists_run_attempt_lease_and_event_together(store: Any) -> None
 
 def test_a_whole_lifecycle_writes_one_event_per_change_in_order(store: Any) -> None:
     given_session(store, "s1")
+    given_session(store, "s2")
     changes: list[Change] = []
     with committed(store) as uow:
         changes.append(admit_run(uow, "r1"))
     attempt_id = attempt_id_of("r1")
-    for step in (offer, accept_offer, activate_attempt, report_running, finish):
-        with committed(store) as uow:
-            if step is offer:
-                changes.append(offer(uow, attempt_id, "s1"))
-            else:
-                changes.append(step(uow, attempt_id))
+    with committed(store) as uow:
+        changes.append(claim_attempt(uow, attempt_id, "s1"))
+    with committed(store) as uow:
+        changes.append(hand_back(uow, attempt_id))
+    with committed(store) as uow:
+        changes.append(claim_attempt(uow, attempt_id, "s2"))
+    with committed(store) as uow:
+        changes.append(finish(uow, attempt_id))
 
     with store.unit_of_work() as uow:
         events = list(uow.runs.events_of("r1"))
         assert [e.event for e in events] == [c.event for c in changes]
+        assert [e.event.type for e in events] == [
+            EventType.RUN_ADMITTED,
+            EventType.ATTEMPT_STARTED,
+            EventType.ATTEMPT_RELEASED,
+            EventType.ATTEMPT_STARTED,
+            EventType.ATTEMPT_SUCCEEDED,
+        ]
         sequences = [e.sequence for e in events]
         assert sequences == sorted(sequences) and len(set(sequences)) == len(sequences)
         run = uow.runs.get_run("r1")
         assert run is not None and run.status is RunStatus.SUCCEEDED and run.output == {"ok": True}
         attempt = uow.runs.get_attempt(attempt_id)
         assert attempt is not None and attempt.status is AttemptStatus.SUCCEEDED
+        assert attempt.session_id == "s2" and attempt.lease_generation == 2
+        first, second = uow.runs.leases_of("r1")
+        assert (first.generation, first.holder_session_id) == (1, "s1")
+        assert first.status is LeaseStatus.RELEASED
+        assert first.release_reason is ReleaseReason.HANDED_BACK and first.version == 2
+        assert (second.generation, second.holder_session_id) == (2, "s2")
+        assert second.status is LeaseStatus.RELEASED
+        assert second.release_reason is ReleaseReason.COMPLETED
+        assert second.version == 2 == attempt.lease_version
+        assert second.token_hash == hash_token(token_of(attempt_id))
+
+
+# --- apply_many --------------------------------------------------------------------------------
+
+
+def _claim_change(uow: Any, snapshot: Snapshot, session_id: str, token: str) -> Change:
+    session = uow.sessions.get(session_id)
+    assert session is not None and snapshot.attempt is not None
+    return claim(
+        run=snapshot.run,
+        attempt=snapshot.attempt,
+        previous_lease=snapshot.lease,
+        session=session,
+        token_hash=hash_token(token),
+        ttl_ms=TTL_MS,
+        now_ms=uow.now_ms(),
+    )
+
+
+def test_apply_many_of_claims_inserts_each_lease_and_writes_one_event_each(store: Any) -> None:
+    given_session(store, "s1")
+    first, second = given_queued(store, "r1"), given_queued(store, "r2")
+    with committed(store) as uow:
+        snapshots = uow.runs.lock_attempts([first, second])
+        assert all(s is not None for s in snapshots)
+        writes = [
+            (s, _claim_change(uow, s, "s1", f"token{s.run.id}"))
+            for s in snapshots
+            if s is not None
+        ]
+        uow.runs.apply_many(writes)
+
+    with store.unit_of_work() as uow:
+        for snapshot, change in writes:
+            run_id = snapshot.run.id
+            assert uow.runs.get_run(run_id) == change.run
+            assert change.run.status is RunStatus.RUNNING
+            assert list(uow.runs.attempts_of(run_id)) == list(change.attempts)
+            assert change.attempts[0].status is AttemptStatus.RUNNING
+            assert change.attempts[0].session_id == "s1"
+            (lease,) = uow.runs.leases_of(run_id)
+            assert lease == change.lease
+            assert lease.token_hash == hash_token(f"token{run_id}") and lease.generation == 1
+            assert [e.event for e in uow.runs.events_of(run_id)][1:] == [change.event]
+            assert uow.runs.lock_attempt(change.attempts[0].id) == Snapshot(
+                run=change.run, attempt=change.attempts[0], lease=change.lease
+            )
+
+
+def test_apply_many_of_a_release_and_a_claim_writes_both(store: Any) -> None:
+    """What one claim writes: an Attempt handed back and another one claimed."""
+    given_session(store, "s1")
+    held = given_started(store, "r1", "s1")
+    queued = given_queued(store, "r2")
+    with committed(store) as uow:
+        back, claimed = uow.runs.lock_attempts([held, queued])
+        assert back is not None and back.attempt is not None and back.lease is not None
+        assert claimed is not None
+        released = release(
+            run=back.run,
+            attempt=back.attempt,
+            lease=back.lease,
+            session_id="s1",
+            cause="not_held",
+            now_ms=uow.now_ms(),
+        )
+        granted = _claim_change(uow, claimed, "s1", "tokenr2")
+        uow.runs.apply_many([(back, released), (claimed, granted)])
+
+    with store.unit_of_work() as uow:
+        run = uow.runs.get_run("r1")
+        attempt = uow.runs.get_attempt(held)
+        assert run == released.run and run.status is RunStatus.QUEUED
+        assert attempt == released.attempts[0] and attempt.is_pristine
         (lease,) = uow.runs.leases_of("r1")
-        assert lease.status is LeaseStatus.RELEASED
-        assert lease.release_reason is ReleaseReason.COMPLETED
-        assert lease.version == 2 == attempt.lease_version
-        assert lease.token_hash == hash_token(f"token{attempt_id}")
+        assert lease == released.lease
+        assert lease.status is LeaseStatus.RELEASED and lease.version == 2
+        assert lease.release_reason is ReleaseReason.HANDED_BACK
+        assert [e.event for e in uow.runs.events_of("r1")][-1] == released.event
+        assert released.event.type is EventType.ATTEMPT_RELEASED
+        assert released.event.data["cause"] == "not_held"
+        assert len(uow.runs.events_of("r1")) == 3
+        # the pristine Attempt locks with the Run's latest lease, as any Attempt without one
+        assert uow.runs.lock_attempt(held) == Snapshot(run=run, attempt=attempt, lease=lease)
+        assert uow.runs.get_run("r2") == granted.run
+        assert list(uow.runs.leases_of("r2")) == [granted.lease]
+        assert [e.event.type for e in uow.runs.events_of("r2")] == [
+            EventType.RUN_ADMITTED,
+            EventType.ATTEMPT_STARTED,
+        ]
+
+
+def test_apply_many_of_two_changes_of_one_run_chains_them(store: Any) -> None:
+    """A later change of the same Run starts from the result of the earlier one."""
+    given_session(store, "s1")
+    attempt_id = given_started(store, "r1", "s1")
+    with committed(store) as uow:
+        before = locked_attempt(uow, attempt_id)
+        assert before.attempt is not None and before.lease is not None
+        released = release(
+            run=before.run,
+            attempt=before.attempt,
+            lease=before.lease,
+            session_id="s1",
+            cause="not_held",
+            now_ms=uow.now_ms(),
+        )
+        middle = Snapshot(run=released.run, attempt=released.attempts[0], lease=released.lease)
+        again = _claim_change(uow, middle, "s1", "again")
+        uow.runs.apply_many([(before, released), (middle, again)])
+
+    with store.unit_of_work() as uow:
+        assert [(x.generation, x.status) for x in uow.runs.leases_of("r1")] == [
+            (1, LeaseStatus.RELEASED),
+            (2, LeaseStatus.LEASED),
+        ]
+        attempt = uow.runs.get_attempt(attempt_id)
+        assert attempt == again.attempts[0] and attempt.lease_generation == 2
+        assert [e.event.type for e in uow.runs.events_of("r1")] == [
+            EventType.RUN_ADMITTED,
+            EventType.ATTEMPT_STARTED,
+            EventType.ATTEMPT_RELEASED,
+            EventType.ATTEMPT_STARTED,
+        ]
+
+
+def test_apply_many_is_all_or_nothing(store: Any) -> None:
+    given_session(store, "s1")
+    given_session(store, "s2")
+    first, second = given_queued(store, "r1"), given_queued(store, "r2")
+    with store.unit_of_work() as uow:
+        stale = locked_attempt(uow, second)
+    with committed(store) as uow:
+        claim_attempt(uow, second, "s2")  # the second Attempt is taken meanwhile
+
+    def write(uow: Any) -> None:
+        fresh = locked_attempt(uow, first)
+        uow.runs.apply_many(
+            [
+                (fresh, _claim_change(uow, fresh, "s1", "tokenr1")),
+                (stale, _claim_change(uow, stale, "s1", "tokenr2")),
+            ]
+        )
+
+    refused(store, write)
+    with store.unit_of_work() as uow:
+        run = uow.runs.get_run("r1")
+        assert run is not None and run.status is RunStatus.QUEUED
+        assert list(uow.runs.leases_of("r1")) == []
+        assert len(uow.runs.events_of("r1")) == 1
+        assert [x.holder_session_id for x in uow.runs.leases_of("r2")] == ["s2"]
 
 
 def test_marking_lost_releases_the_lease_in_the_same_write(store: Any) -> None:
@@ -293,26 +462,27 @@ def test_apply_refuses_a_stale_attempt_status(store: Any) -> None:
     with store.unit_of_work() as uow:
         stale = locked_attempt(uow, attempt_id)
     with committed(store) as uow:
-        report_running(uow, attempt_id)  # starting -> running
+        hand_back(uow, attempt_id)  # running -> claimed (pristine)
 
     with store.unit_of_work() as uow:
         assert stale.attempt is not None
-        change = mark_running(
+        now = uow.now_ms()
+        change = Change(
             run=stale.run,
-            attempt=stale.attempt,
-            lease=stale.lease,
-            fence=fence_of(stale),
-            now_ms=uow.now_ms(),
+            attempts=(evolve(stale.attempt, error="noted", updated_at_ms=now),),
+            lease=None,
+            event=_marker_event("r1", attempt_id, now),
         )
-    assert change.run == stale.run and change.lease == stale.lease  # only the attempt moves
-    refused(store, lambda uow: uow.runs.apply(stale, change))
+    refused(store, lambda uow: uow.runs.apply(stale, change))  # only the attempt is written
     with store.unit_of_work() as uow:
-        assert len(uow.runs.events_of("r1")) == 5
+        attempt = uow.runs.get_attempt(attempt_id)
+        assert attempt is not None and attempt.is_pristine and attempt.error is None
+        assert len(uow.runs.events_of("r1")) == 3
 
 
 def test_apply_refuses_a_stale_attempt_lease_version(store: Any) -> None:
     given_session(store, "s1")
-    attempt_id = given_offered(store, "r1", "s1")
+    attempt_id = given_started(store, "r1", "s1")
     with store.unit_of_work() as uow:
         current = locked_attempt(uow, attempt_id)
         assert current.attempt is not None
@@ -333,31 +503,31 @@ def test_apply_refuses_a_stale_attempt_lease_version(store: Any) -> None:
         assert uow.runs.get_attempt(attempt_id).error == "noted"
 
 
-def test_apply_refuses_a_lease_whose_token_was_bound_meanwhile(store: Any) -> None:
+def test_apply_refuses_a_completion_after_the_attempt_was_handed_back(store: Any) -> None:
     given_session(store, "s1")
-    attempt_id = given_offered(store, "r1", "s1")
+    attempt_id = given_started(store, "r1", "s1")
     with store.unit_of_work() as uow:
         stale = locked_attempt(uow, attempt_id)
     with committed(store) as uow:
-        accept_offer(uow, attempt_id, token="first")
+        hand_back(uow, attempt_id)
 
     with store.unit_of_work() as uow:
-        assert stale.attempt is not None and stale.lease is not None
-        change = accept(
+        assert stale.attempt is not None
+        change = complete(
             run=stale.run,
             attempt=stale.attempt,
             lease=stale.lease,
-            session_id="s1",
-            generation=stale.lease.generation,
-            version=stale.lease.version,
-            token_hash=hash_token("second"),
-            ttl_ms=TTL_MS,
+            fence=fence_of(stale),
+            succeeded=True,
+            output=None,
+            error=None,
             now_ms=uow.now_ms(),
         )
     refused(store, lambda uow: uow.runs.apply(stale, change))
 
     with store.unit_of_work() as uow:
-        assert _lease(uow, "r1", 1).token_hash == hash_token("first")
+        assert uow.runs.get_run("r1").status is RunStatus.QUEUED
+        assert _lease(uow, "r1", 1).release_reason is ReleaseReason.HANDED_BACK
 
 
 @pytest.mark.parametrize(
@@ -366,7 +536,7 @@ def test_apply_refuses_a_lease_whose_token_was_bound_meanwhile(store: Any) -> No
 )
 def test_apply_refuses_a_stale_lease(store: Any, stale_field: str) -> None:
     given_session(store, "s1")
-    attempt_id = given_accepted(store, "r1", "s1")
+    attempt_id = given_started(store, "r1", "s1")
     with store.unit_of_work() as uow:
         current = locked_attempt(uow, attempt_id)
         assert current.lease is not None
@@ -470,7 +640,7 @@ def test_apply_refuses_a_second_non_terminal_attempt(store: Any) -> None:
 
 def test_apply_refuses_a_second_leased_lease(store: Any) -> None:
     given_session(store, "s1")
-    attempt_id = given_offered(store, "r1", "s1")
+    attempt_id = given_started(store, "r1", "s1")
     with store.unit_of_work() as uow:
         before = locked_attempt(uow, attempt_id)
         assert before.lease is not None
@@ -488,7 +658,7 @@ def test_apply_refuses_a_second_leased_lease(store: Any) -> None:
 
 def test_apply_refuses_to_insert_a_lease_that_exists(store: Any) -> None:
     given_session(store, "s1")
-    attempt_id = given_offered(store, "r1", "s1")
+    attempt_id = given_started(store, "r1", "s1")
     with store.unit_of_work() as uow:
         current = locked_attempt(uow, attempt_id)
         assert current.lease is not None
@@ -512,24 +682,16 @@ def test_a_refused_apply_leaves_the_committed_state_as_it_was(store: Any) -> Non
     with store.unit_of_work() as uow:
         stale = locked_attempt(uow, attempt_id)
     with committed(store) as uow:
-        offer(uow, attempt_id, "s1")
+        claim_attempt(uow, attempt_id, "s1")
 
     with store.unit_of_work() as uow:
-        session = uow.sessions.get("s2")
-        assert stale.attempt is not None and session is not None
-        rival = grant_lease(
-            run=stale.run,
-            attempt=stale.attempt,
-            previous_lease=stale.lease,
-            session=session,
-            ttl_ms=TTL_MS,
-            now_ms=uow.now_ms(),
-        )
+        rival = _claim_change(uow, stale, "s2", "rival")
     refused(store, lambda uow: uow.runs.apply(stale, rival))
 
     with store.unit_of_work() as uow:
         (lease,) = uow.runs.leases_of("r1")
         assert lease.holder_session_id == "s1"
+        assert lease.token_hash == hash_token(token_of(attempt_id))
         assert uow.runs.get_attempt(attempt_id).session_id == "s1"
         assert len(uow.runs.events_of("r1")) == 2
 
@@ -552,7 +714,7 @@ def test_renew_moves_only_the_expiry_and_writes_no_event(store: Any) -> None:
         assert stored == after
         assert stored.version == before.version and stored.token_hash == before.token_hash
         assert stored.status is LeaseStatus.LEASED
-        assert len(uow.runs.events_of("r1")) == events == 4
+        assert len(uow.runs.events_of("r1")) == events == 2
 
 
 def test_renew_is_refused_once_the_lease_expired(
@@ -619,7 +781,7 @@ def test_attempts_leases_and_events_are_read_in_order(
     with committed(store) as uow:
         next_attempt(uow, "r1")
     with committed(store) as uow:
-        offer(uow, attempt_id_of("r1", 2), "s1")
+        claim_attempt(uow, attempt_id_of("r1", 2), "s1")
 
     with store.unit_of_work() as uow:
         assert [a.number for a in uow.runs.attempts_of("r1")] == [1, 2]
@@ -633,11 +795,11 @@ def test_attempts_leases_and_events_are_read_in_order(
         ]
         assert [e.event.type for e in uow.runs.events_of("r1")] == [
             EventType.RUN_ADMITTED,
-            EventType.ATTEMPT_OFFERED,
+            EventType.ATTEMPT_STARTED,
             EventType.ATTEMPT_LOST,
             EventType.RETRY_SCHEDULED,
             EventType.ATTEMPT_CREATED,
-            EventType.ATTEMPT_OFFERED,
+            EventType.ATTEMPT_STARTED,
         ]
 
 
@@ -669,7 +831,7 @@ def test_list_runs_filters_by_status_orders_by_creation_and_limits(
         assert uow.runs.list_runs(RunStatus.CREATED, 10)[0] == uow.runs.get_run("r1")
 
 
-def test_renewing_an_offer_that_was_not_accepted_is_refused(store: Any) -> None:
+def test_renewing_a_legacy_offer_that_was_not_accepted_is_refused(store: Any) -> None:
     given_session(store, "s1")
     attempt_id = given_offered(store, "r1", "s1")
     with store.unit_of_work() as uow:
@@ -703,7 +865,7 @@ def test_add_refuses_an_attempt_of_a_run_that_does_not_exist(store: Any) -> None
 
 def test_apply_refuses_a_lease_of_an_attempt_that_does_not_exist(store: Any) -> None:
     given_session(store, "s1")
-    attempt_id = given_offered(store, "r1", "s1")
+    attempt_id = given_started(store, "r1", "s1")
     with store.unit_of_work() as uow:
         before = locked_attempt(uow, attempt_id)
         assert before.lease is not None
@@ -743,7 +905,7 @@ def test_apply_refuses_a_lease_whose_release_reason_contradicts_its_status(
     store: Any, inconsistency: str
 ) -> None:
     given_session(store, "s1")
-    attempt_id = given_offered(store, "r1", "s1")
+    attempt_id = given_started(store, "r1", "s1")
     with store.unit_of_work() as uow:
         before = locked_attempt(uow, attempt_id)
         assert before.lease is not None

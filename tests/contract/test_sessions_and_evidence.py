@@ -12,16 +12,16 @@ from domain.sessions import heartbeat
 from tests.contract.builders import (
     SECRET_HASH,
     TASK,
-    admit_run,
     close_session,
     committed,
     drain_session,
-    given_accepted,
+    finish,
+    given_legacy,
     given_lost,
-    given_offered,
+    given_queued,
     given_session,
     given_started,
-    offer,
+    hand_back,
     refused,
     register,
 )
@@ -122,49 +122,53 @@ def test_update_of_an_unknown_session_is_refused(store: Any) -> None:
         assert uow.sessions.get("s9") is None
 
 
-def test_offers_of_lists_unaccepted_offers_of_that_session(
+def test_held_by_names_the_attempts_of_the_leased_leases_of_that_session_sorted(
     store: Any, advance: Callable[[int], None]
 ) -> None:
     given_session(store, "s1", "w1")
     given_session(store, "s2", "w2")
-    # Granted in the order r3, r1 so that grant order differs from attempt id order.
-    r3 = given_offered(store, "r3", "s1")
+    # Claimed in the order r3, r1 so that claim order differs from attempt id order.
+    r3 = given_started(store, "r3", "s1")
     advance(1_000)
-    r1 = given_offered(store, "r1", "s1")
-    given_offered(store, "r2", "s2")  # another session's offer
-    given_accepted(store, "r4", "s1")  # accepted: no longer an offer
-    given_started(store, "r5", "s1")  # started: no longer an offer
-    given_lost(store, "r6", "s1")  # released: no longer an offer
+    r1 = given_started(store, "r1", "s1")
+    given_started(store, "r2", "s2")  # another session's
+    given_lost(store, "r4", "s1")  # released: lost
+    done = given_started(store, "r5", "s1")
+    back = given_started(store, "r6", "s1")
+    legacy = given_legacy(store, "r7", "s1", stage="offered")  # leased, bound to no token
+    expired = given_started(store, "r8", "s1", ttl_ms=1_000)
+    with committed(store) as uow:
+        finish(uow, done)  # released: completed
+        hand_back(uow, back)  # released: handed back
+    given_queued(store, "r9")
+    advance(5_000)  # r8's lease expired, but it is still leased: the session still holds it
 
     with store.unit_of_work() as uow:
-        offers = list(uow.sessions.offers_of("s1"))
-        assert [attempt.id for _, attempt, _ in offers] == [r3, r1]
-        for run, attempt, lease in offers:
-            assert run == uow.runs.get_run(attempt.run_id)
-            assert lease.attempt_id == attempt.id
-            assert lease.holder_session_id == "s1"
-            assert lease.token_hash is None
-            assert attempt.session_id == "s1"
-            assert lease == uow.runs.lock_attempt(attempt.id).lease
-        assert [a.run_id for _, a, _ in uow.sessions.offers_of("s2")] == ["r2"]
-        assert list(uow.sessions.offers_of("nope")) == []
+        assert list(uow.sessions.held_by("s1")) == sorted([r1, r3, legacy, expired])
+        assert list(uow.sessions.held_by("s2")) == ["r2a1"]
+        assert list(uow.sessions.held_by("nope")) == []
+        for attempt_id in uow.sessions.held_by("s1"):
+            lease = uow.runs.lock_attempt(attempt_id).lease
+            assert lease is not None and lease.holder_session_id == "s1"
 
 
-def test_offers_granted_at_the_same_time_are_ordered_by_attempt_id(store: Any) -> None:
+def test_held_by_sees_the_transactions_own_writes_and_no_rolled_back_ones(store: Any) -> None:
     given_session(store, "s1", "w1")
-    with committed(store) as uow:
-        admit_run(uow, "r2")
-        admit_run(uow, "r1")
-    with committed(store) as uow:
-        now = uow.now_ms()
-        second = offer(uow, "r2a1", "s1")
-        first = offer(uow, "r1a1", "s1")
+    attempt_id = given_started(store, "r1", "s1")
     with store.unit_of_work() as uow:
-        offers = list(uow.sessions.offers_of("s1"))
-    granted = {lease.granted_at_ms for _, _, lease in offers}
-    assert now <= min(granted)
-    expected = sorted([(second.lease.granted_at_ms, "r2a1"), (first.lease.granted_at_ms, "r1a1")])
-    assert [a.id for _, a, _ in offers] == [attempt_id for _, attempt_id in expected]
+        hand_back(uow, attempt_id)
+        assert list(uow.sessions.held_by("s1")) == []
+    with store.unit_of_work() as uow:
+        assert list(uow.sessions.held_by("s1")) == [attempt_id]
+
+
+def test_a_closed_session_still_holds_its_leases_until_recovery_takes_them(store: Any) -> None:
+    given_session(store, "s1", "w1")
+    attempt_id = given_started(store, "r1", "s1")
+    with committed(store) as uow:
+        close_session(uow, "s1")
+    with store.unit_of_work() as uow:
+        assert list(uow.sessions.held_by("s1")) == [attempt_id]
 
 
 def test_rolled_back_sessions_are_not_kept(store: Any) -> None:

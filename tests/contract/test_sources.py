@@ -1,4 +1,5 @@
-"""The candidate sources: recovery, lost retry, startup and dispatch."""
+"""The candidate sources (recovery, lost retry, startup), the dispatch gate, and what a claim
+locks: :meth:`RunRepository.lock_for_claim` (ADR 0007)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,16 @@ from typing import Any
 import pytest
 from attrs import evolve
 
-from application.ports import HARD_PAGE_CAP, Page, RecoveryCandidate
+from application.ports import (
+    HARD_PAGE_CAP,
+    OPEN_GATE,
+    ClaimLock,
+    DispatchGate,
+    Page,
+    RecoveryCandidate,
+    SessionCapacity,
+    Snapshot,
+)
 from domain.events import EventType, RunEvent
 from domain.model import (
     AttemptStatus,
@@ -18,32 +28,32 @@ from domain.model import (
     RunOwner,
     RunStatus,
 )
-from domain.sessions import heartbeat
-from domain.transitions import Change
+from domain.transitions import Change, cancel
 from tests.contract.builders import (
     OTHER_TASK,
     RETRY_DELAY_MS,
     TASK,
     TTL_MS,
     attempt_id_of,
+    claim_attempt,
     close_session,
     committed,
     drain_session,
     finish,
     first_attempt,
-    given_accepted,
     given_created,
+    given_legacy,
     given_lost,
     given_offered,
     given_queued,
     given_retry_wait,
     given_session,
     given_started,
+    hand_back,
     locked_attempt,
     locked_run,
     lose,
     next_attempt,
-    offer,
     register,
     report_stop,
     settle,
@@ -57,7 +67,6 @@ PAGED_SOURCES: dict[str, Callable[[Any, int], Page[Any]]] = {
     "lost_runs": lambda store, limit: store.lost_runs(limit),
     "due_retries": lambda store, limit: store.due_retries(limit),
     "orphaned_runs": lambda store, limit: store.orphaned_runs(limit),
-    "queued_attempts": lambda store, limit: store.queued_attempts(limit, [TASK]),
 }
 
 
@@ -66,7 +75,8 @@ def _event(run_id: str, attempt_id: str, now: int) -> RunEvent:
 
 
 def given_dispatching_without_lease(store: Any, run_id: str, session_id: str) -> str:
-    """An Attempt that was offered (generation 1) but whose lease row is missing."""
+    """An Attempt that was offered under ADR 0005 (generation 1) but whose lease row is
+    missing."""
     attempt_id = given_queued(store, run_id)
     with committed(store) as uow:
         before = locked_attempt(uow, attempt_id)
@@ -169,7 +179,9 @@ def test_pristine_created_and_settled_work_is_never_a_recovery_candidate(
     assert store.recovery_candidates(16).items == ()
 
 
-def test_an_offer_is_a_candidate_only_once_its_lease_expired(store: Any, advance: Advance) -> None:
+def test_a_legacy_offer_is_a_candidate_only_once_its_lease_expired(
+    store: Any, advance: Advance
+) -> None:
     given_session(store, "s1")
     attempt_id = given_offered(store, "r1", "s1", ttl_ms=10_000)
     assert store.recovery_candidates(16).items == ()
@@ -213,8 +225,36 @@ def test_a_started_attempt_is_resolvable_only_with_not_running_evidence(
 
     (candidate,) = store.recovery_candidates(16).items
     assert candidate.attempt_id == attempt_id
-    assert candidate.attempt_status is AttemptStatus.STARTING
+    assert candidate.attempt_status is AttemptStatus.RUNNING
     assert candidate.resolvable is (evidence not in {"none", "session_drained"})
+
+
+@pytest.mark.parametrize("stage", ["accepted", "starting"])
+def test_legacy_rows_are_candidates_once_their_lease_expired(
+    store: Any, advance: Advance, stage: str
+) -> None:
+    """Rows the offer protocol of ADR 0005 left: an accepted offer is resolvable on expiry
+    alone (it never started); an activated one needs evidence like any started Attempt."""
+    given_session(store, "s1")
+    attempt_id = given_legacy(store, "r1", "s1", ttl_ms=10_000, stage=stage)
+    assert store.recovery_candidates(16).items == ()
+    advance(10_001)
+    (candidate,) = store.recovery_candidates(16).items
+    assert candidate.attempt_id == attempt_id
+    expected = AttemptStatus.CLAIMED if stage == "accepted" else AttemptStatus.STARTING
+    assert candidate.attempt_status is expected
+    assert candidate.resolvable is (stage == "accepted")
+
+
+def test_a_handed_back_attempt_is_no_candidate(store: Any, advance: Advance) -> None:
+    given_session(store, "s1")
+    attempt_id = given_started(store, "r1", "s1", ttl_ms=10_000)
+    with committed(store) as uow:
+        hand_back(uow, attempt_id)
+        close_session(uow, "s1")
+    advance(LONG_AGO)
+    assert store.recovery_candidates(16).items == ()
+    assert store.lost_runs(16).items == ()
 
 
 def test_a_running_attempt_with_a_live_lease_is_not_a_candidate(
@@ -366,9 +406,9 @@ def test_a_lost_run_names_its_latest_attempt(store: Any, advance: Advance) -> No
     with committed(store) as uow:
         next_attempt(uow, "r1")
     with committed(store) as uow:
-        offer(uow, attempt_id_of("r1", 2), "s1")
+        claim_attempt(uow, attempt_id_of("r1", 2), "s1")
     with committed(store) as uow:
-        lose(uow, attempt_id_of("r1", 2))
+        lose(uow, attempt_id_of("r1", 2), EvidenceKind.WORKER_ABANDONED)
 
     (candidate,) = store.lost_runs(16).items
     assert candidate.attempt_id == attempt_id_of("r1", 2)
@@ -483,12 +523,108 @@ def test_orphaned_runs_are_runtime_owned_created_runs_oldest_first(
     assert [c.run_id for c in short.items] == ["r2", "r1"] and short.has_more is True
 
 
-# --- queued_attempts ---------------------------------------------------------------------------
+# --- the dispatch gate ------------------------------------------------------------------------
 
 
-def test_queued_attempts_take_at_most_the_limit_of_each_task_oldest_first(
+def _set_gate(store: Any, open_: bool, reason: str | None) -> DispatchGate:
+    with committed(store) as uow:
+        gate = DispatchGate(open=open_, reason=reason, changed_at_ms=uow.now_ms())
+        uow.gate.set(gate)
+    return gate
+
+
+def test_the_gate_is_open_by_default(store: Any) -> None:
+    gate = store.dispatch_gate()
+    assert gate.open is True and gate.reason is None
+    with store.unit_of_work() as uow:
+        assert uow.runs.lock_for_claim("nobody", [TASK], 1).gate.open is True
+
+
+def test_a_closed_gate_keeps_its_reason_until_it_is_opened(store: Any, advance: Advance) -> None:
+    closed = _set_gate(store, False, "runtime_recovery failed: OperationalError")
+    assert store.dispatch_gate() == closed
+    with store.unit_of_work() as uow:
+        assert uow.runs.lock_for_claim("nobody", [TASK], 1).gate == closed
+    advance(1_000)
+    opened = _set_gate(store, True, None)
+    assert opened.changed_at_ms is not None and closed.changed_at_ms is not None
+    assert opened.changed_at_ms >= closed.changed_at_ms + 1_000
+    assert store.dispatch_gate() == opened
+
+
+def test_a_rolled_back_gate_change_leaves_the_gate_as_it_was(store: Any) -> None:
+    closed = _set_gate(store, False, "lost_retry failed: timeout")
+    with store.unit_of_work() as uow:
+        uow.gate.set(DispatchGate(open=True, reason=None, changed_at_ms=uow.now_ms()))
+        # the transaction sees its own write
+        assert uow.runs.lock_for_claim("nobody", [TASK], 1).gate.open is True
+    assert store.dispatch_gate() == closed
+    with pytest.raises(RuntimeError), store.unit_of_work() as uow:
+        uow.gate.set(OPEN_GATE)
+        raise RuntimeError("boom")
+    assert store.dispatch_gate() == closed
+
+
+# --- lock_for_claim ----------------------------------------------------------------------------
+
+
+def _claim_lock(store: Any, session_id: str, tasks: list[str], limit: int) -> ClaimLock:
+    with store.unit_of_work() as uow:
+        return uow.runs.lock_for_claim(session_id, tasks, limit)
+
+
+def _by_task(lock: ClaimLock) -> dict[str, list[str]]:
+    """The candidates' run ids per task, in the order given."""
+    found: dict[str, list[str]] = {}
+    for snapshot in lock.candidates:
+        found.setdefault(snapshot.run.task, []).append(snapshot.run.id)
+    return found
+
+
+def test_lock_for_claim_gives_the_session_with_its_leased_leases(
     store: Any, advance: Advance
 ) -> None:
+    given_session(store, "s1", "w1")  # capacity 4
+    given_session(store, "s2", "w2")
+    given_started(store, "r1", "s1")
+    given_started(store, "r2", "s1", ttl_ms=1_000)  # leased, and expired below
+    given_legacy(store, "r3", "s1", stage="offered")  # leased, bound to no token
+    given_lost(store, "r4", "s1")  # released
+    done = given_started(store, "r5", "s1")
+    back = given_started(store, "r6", "s1")
+    given_started(store, "r7", "s2")
+    with committed(store) as uow:
+        finish(uow, done)
+        hand_back(uow, back)
+    advance(2_000)
+
+    lock = _claim_lock(store, "s1", [TASK], 1)
+    with store.unit_of_work() as uow:
+        session = uow.sessions.get("s1")
+    assert lock.capacity == SessionCapacity(session=session, in_flight=3)
+    assert lock.capacity.free == 1
+    other = _claim_lock(store, "s2", [TASK], 1)
+    assert other.capacity is not None and other.capacity.in_flight == 1
+    assert _claim_lock(store, "nobody", [TASK], 1).capacity is None
+
+
+def test_lock_for_claim_counts_the_transactions_own_writes(store: Any) -> None:
+    given_session(store, "s1", "w1")
+    attempt_id = given_queued(store, "r1")
+    with store.unit_of_work() as uow:
+        claim_attempt(uow, attempt_id, "s1")
+        lock = uow.runs.lock_for_claim("s1", [TASK], 4)
+        assert lock.capacity is not None and lock.capacity.in_flight == 1
+        assert lock.candidates == ()
+    lock = _claim_lock(store, "s1", [TASK], 4)
+    assert lock.capacity is not None and lock.capacity.in_flight == 0
+    assert [s.run.id for s in lock.candidates] == ["r1"]
+
+
+def test_candidates_are_the_oldest_of_each_task_at_most_the_limit_each(
+    store: Any, advance: Advance
+) -> None:
+    given_session(store, "s1", "w1")
     for run_id, task in [
         ("m3", TASK),
         ("p2", OTHER_TASK),
@@ -500,35 +636,33 @@ def test_queued_attempts_take_at_most_the_limit_of_each_task_oldest_first(
         given_queued(store, run_id, task=task)
         advance(1_000)
 
-    page = store.queued_attempts(2, [TASK, OTHER_TASK])
-    assert [q.run_id for q in page.items] == ["m3", "p2", "m1", "p1"]
-    assert page.has_more is True  # m2 did not fit
-
+    two = _claim_lock(store, "s1", [TASK, OTHER_TASK], 2)
+    assert _by_task(two) == {TASK: ["m3", "m1"], OTHER_TASK: ["p2", "p1"]}
     with store.unit_of_work() as uow:
-        for queued in page.items:
-            attempt = uow.runs.get_attempt(queued.attempt_id)
-            assert attempt is not None and attempt.run_id == queued.run_id
-            assert attempt.is_pristine
-            assert queued.queued_at_ms == attempt.created_at_ms
-            assert queued.task == uow.runs.get_run(queued.run_id).task
+        for snapshot in two.candidates:
+            assert snapshot.attempt is not None
+            assert snapshot == Snapshot(
+                run=uow.runs.get_run(snapshot.run.id),
+                attempt=uow.runs.get_attempt(snapshot.attempt.id),
+                lease=None,
+            )
+            assert snapshot.attempt.is_pristine
+            assert snapshot.attempt.id == attempt_id_of(snapshot.run.id)
+    three = _claim_lock(store, "s1", [OTHER_TASK, TASK], 3)
+    assert _by_task(three) == {TASK: ["m3", "m1", "m2"], OTHER_TASK: ["p2", "p1"]}
+    assert _by_task(_claim_lock(store, "s1", [OTHER_TASK], 1)) == {OTHER_TASK: ["p2"]}
+    assert _claim_lock(store, "s1", [], 5).candidates == ()
+    assert _claim_lock(store, "s1", ["unknown"], 5).candidates == ()
 
-    everything = store.queued_attempts(3, [OTHER_TASK, TASK])
-    assert [q.run_id for q in everything.items] == ["m3", "p2", "m1", "p1", "m2"]
-    assert everything.has_more is False
-    only_reports = store.queued_attempts(1, [OTHER_TASK])
-    assert [q.run_id for q in only_reports.items] == ["p2"] and only_reports.has_more is True
-    assert store.queued_attempts(5, []).items == ()
-    assert store.queued_attempts(5, ["unknown"]).has_more is False
 
-
-def test_queued_attempts_are_pristine_attempts_of_queued_runs(store: Any, advance: Advance) -> None:
+def test_candidates_are_pristine_attempts_of_queued_runs(store: Any, advance: Advance) -> None:
     given_session(store, "s1")
     given_queued(store, "r1")
-    given_offered(store, "r2", "s1")
+    given_started(store, "r2", "s1")
     given_created(store, "r3")
     given_retry_wait(store, "r4", "s1")
-    given_accepted(store, "r5", "s1")
-    # A queued Run whose Attempt carries a worker fact is not offered again.
+    given_legacy(store, "r5", "s1", stage="accepted")
+    # A queued Run whose Attempt carries a worker fact is not claimed.
     marked = given_queued(store, "r6")
     with committed(store) as uow:
         before = locked_attempt(uow, marked)
@@ -541,71 +675,100 @@ def test_queued_attempts_are_pristine_attempts_of_queued_runs(store: Any, advanc
                 run=before.run, attempts=(touched,), lease=None, event=_event("r6", marked, now)
             ),
         )
-    assert [q.run_id for q in store.queued_attempts(16, [TASK]).items] == ["r1"]
+    back = given_started(store, "r7", "s1")
+    with committed(store) as uow:
+        hand_back(uow, back)  # pristine again, its Run queued
+    given_queued(store, "r8")
+    with committed(store) as uow:
+        before = locked_run(uow, "r8")
+        uow.runs.apply(
+            before,
+            cancel(
+                run=before.run,
+                attempt=before.attempt,
+                lease=before.lease,
+                reason="gone",
+                now_ms=uow.now_ms(),
+            ),
+        )
+
+    lock = _claim_lock(store, "s1", [TASK], 16)
+    assert [s.run.id for s in lock.candidates] == ["r1", "r7"]
+    with store.unit_of_work() as uow:
+        (released,) = uow.runs.leases_of("r7")
+    # a handed-back Attempt is locked with the Run's latest lease, the one it handed back
+    assert lock.candidates[1].lease == released
+    assert released.release_reason is ReleaseReason.HANDED_BACK
 
     advance(RETRY_DELAY_MS)
     with committed(store) as uow:
         next_attempt(uow, "r4")
-    page = store.queued_attempts(16, [TASK])
-    assert [(q.run_id, q.attempt_id) for q in page.items] == [
+    lock = _claim_lock(store, "s1", [TASK], 16)
+    assert [(s.run.id, s.attempt.id if s.attempt else None) for s in lock.candidates] == [
         ("r1", attempt_id_of("r1")),
+        ("r7", attempt_id_of("r7")),
         ("r4", attempt_id_of("r4", 2)),
     ]
-
-
-# --- available_sessions ------------------------------------------------------------------------
-
-
-def test_available_sessions_are_active_and_recently_heard_from(
-    store: Any, advance: Advance
-) -> None:
-    given_session(store, "s4", "w4")  # will fall silent
-    advance(30_000)
-    given_session(store, "s1", "w1")
-    given_session(store, "s2", "w2")
-    given_session(store, "s3", "w3")
-    with committed(store) as uow:
-        drain_session(uow, "s2")
-        close_session(uow, "s3")
-
-    recent = store.available_sessions(10_000)
-    assert [c.session.id for c in recent] == ["s1"]
-    everyone = store.available_sessions(60_000)
-    assert [c.session.id for c in everyone] == ["s1", "s4"]
     with store.unit_of_work() as uow:
-        assert everyone[0].session == uow.sessions.get("s1")
-
-    advance(10_000)
-    assert list(store.available_sessions(10_000)) == []
+        (lost_lease,) = uow.runs.leases_of("r4")
+    assert lock.candidates[2].lease == lost_lease  # the lost Attempt 1's, released
 
 
-def test_available_sessions_count_the_leases_they_hold(store: Any) -> None:
-    given_session(store, "s1", "w1")  # capacity 4
-    given_session(store, "s2", "w2")
-    given_offered(store, "r1", "s1")
-    given_accepted(store, "r2", "s1")
-    started = given_started(store, "r3", "s1")
-    given_lost(store, "r4", "s1")  # lease released
-    done = given_started(store, "r5", "s1")
+def test_the_in_flight_count_is_per_task_over_every_session(store: Any) -> None:
     with committed(store) as uow:
-        finish(uow, done)  # lease released
-    given_offered(store, "r6", "s2")
-
-    by_id = {c.session.id: c for c in store.available_sessions(60_000)}
-    assert by_id["s1"].in_flight == 3
-    assert by_id["s1"].free == 1
-    assert by_id["s2"].in_flight == 1
-
+        register(uow, "s1", "w1", tasks=(TASK, OTHER_TASK, "idle"), capacity=8)
+        register(uow, "s2", "w2", tasks=(TASK, OTHER_TASK, "elsewhere"), capacity=8)
+    given_started(store, "m1", "s1")
+    given_started(store, "m2", "s2")
+    given_legacy(store, "m3", "s1", stage="offered")
+    done = given_started(store, "m4", "s1")
     with committed(store) as uow:
-        finish(uow, started)
-    by_id = {c.session.id: c for c in store.available_sessions(60_000)}
-    assert by_id["s1"].in_flight == 2
+        finish(uow, done)  # released: not in flight
+    given_lost(store, "m5", "s1")  # released: not in flight
+    given_started(store, "p1", "s2", task=OTHER_TASK)
+    given_started(store, "x1", "s2", task="elsewhere")
+    for run_id, task in [("mq", TASK), ("pq", OTHER_TASK), ("zq", "idle")]:
+        given_queued(store, run_id, task=task)
+
+    lock = _claim_lock(store, "s1", [TASK, OTHER_TASK, "idle"], 4)
+    assert _by_task(lock) == {TASK: ["mq"], OTHER_TASK: ["pq"], "idle": ["zq"]}
+    counts = lock.in_flight_by_task
+    assert (counts.get(TASK, 0), counts.get(OTHER_TASK, 0), counts.get("idle", 0)) == (3, 1, 0)
+    assert "elsewhere" not in counts
 
 
-def test_a_heartbeat_makes_a_silent_session_available_again(store: Any, advance: Advance) -> None:
-    session = given_session(store, "s1", "w1")
-    advance(20_000)
-    assert list(store.available_sessions(10_000)) == []
+def test_nothing_is_locked_for_a_claim_while_the_gate_is_closed(store: Any) -> None:
+    given_session(store, "s1", "w1")
+    given_started(store, "r1", "s1")
+    given_queued(store, "r2")
+    closed = _set_gate(store, False, "runtime_recovery failed: boom")
+
+    lock = _claim_lock(store, "s1", [TASK], 4)
+    assert lock.gate == closed
+    assert lock.candidates == ()
+    assert lock.capacity is not None and lock.capacity.in_flight == 1
+
+    _set_gate(store, True, None)
+    assert [s.run.id for s in _claim_lock(store, "s1", [TASK], 4).candidates] == ["r2"]
+
+
+def test_lock_for_claim_observes_the_store_clock(store: Any, advance: Advance) -> None:
+    given_session(store, "s1")
+    advance(7_000)
+    with store.unit_of_work() as uow:
+        low = uow.now_ms()
+        lock = uow.runs.lock_for_claim("s1", [TASK], 1)
+        high = uow.now_ms()
+    assert low <= lock.observed_at_ms <= high
+
+
+def test_lock_for_claim_changes_nothing(store: Any) -> None:
+    given_session(store, "s1")
+    attempt_id = given_queued(store, "r1")
     with committed(store) as uow:
-        uow.sessions.update(session, heartbeat(session, uow.now_ms()))
-    assert [c.session.id for c in store.available_sessions(10_000)] == ["s1"]
+        before = locked_attempt(uow, attempt_id)
+        uow.runs.lock_for_claim("s1", [TASK], 4)
+    with store.unit_of_work() as uow:
+        assert locked_attempt(uow, attempt_id) == before
+        assert len(uow.runs.events_of("r1")) == 1
+        assert list(uow.sessions.held_by("s1")) == []

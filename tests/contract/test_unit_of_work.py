@@ -8,16 +8,20 @@ from typing import Any
 
 import pytest
 
+from application.ports import DispatchGate
 from domain.errors import ConcurrencyConflict, DomainError
 from domain.events import EventType
+from domain.fence import hash_token
 from domain.model import AttemptStatus, RunStatus
+from domain.transitions import claim
 from tests.contract.builders import (
+    TASK,
     admit_run,
     attempt_id_of,
+    claim_attempt,
     committed,
     given_queued,
     given_session,
-    offer,
     register,
     report_stop,
 )
@@ -40,12 +44,14 @@ def test_committed_writes_are_visible_to_later_transactions(store: Any) -> None:
 def test_leaving_without_commit_rolls_everything_back(store: Any) -> None:
     given_session(store, "s1")
     attempt_id = given_queued(store, "r1")
+    before_gate = store.dispatch_gate()
 
     with store.unit_of_work() as uow:
         admit_run(uow, "r2")
-        offer(uow, attempt_id, "s1")
+        claim_attempt(uow, attempt_id, "s1")
         register(uow, "s2", "w2")
         report_stop(uow, attempt_id)
+        uow.gate.set(DispatchGate(open=False, reason="rolled back", changed_at_ms=uow.now_ms()))
         assert uow.runs.get_run("r2") is not None  # visible inside the transaction
 
     with store.unit_of_work() as uow:
@@ -56,6 +62,8 @@ def test_leaving_without_commit_rolls_everything_back(store: Any) -> None:
         assert len(uow.runs.events_of("r1")) == 1
         assert uow.sessions.get("s2") is None
         assert list(uow.evidence.reports_for(attempt_id)) == []
+        assert list(uow.sessions.held_by("s1")) == []
+    assert store.dispatch_gate() == before_gate
 
 
 def test_an_exception_rolls_back_and_propagates(store: Any) -> None:
@@ -84,15 +92,16 @@ def test_a_transaction_reads_its_own_writes(store: Any) -> None:
     with store.unit_of_work() as uow:
         change = admit_run(uow, "r1")
         assert uow.runs.get_run("r1") == change.run
-        offer(uow, attempt_id_of("r1"), "s1")
+        claim_attempt(uow, attempt_id_of("r1"), "s1")
         snapshot = uow.runs.lock_attempt(attempt_id_of("r1"))
         assert snapshot is not None
-        assert snapshot.run.status is RunStatus.DISPATCHING
+        assert snapshot.run.status is RunStatus.RUNNING
         assert snapshot.lease is not None and snapshot.lease.holder_session_id == "s1"
         assert [e.event.type for e in uow.runs.events_of("r1")] == [
             EventType.RUN_ADMITTED,
-            EventType.ATTEMPT_OFFERED,
+            EventType.ATTEMPT_STARTED,
         ]
+        assert list(uow.sessions.held_by("s1")) == [attempt_id_of("r1")]
 
 
 def test_a_failed_write_changes_nothing_that_was_committed(store: Any) -> None:
@@ -129,7 +138,7 @@ def test_transitions_use_the_transaction_clock(store: Any, advance: Callable[[in
     assert low <= change.run.created_at_ms <= high
 
 
-def test_concurrent_offers_of_one_attempt_let_exactly_one_through(store: Any) -> None:
+def test_concurrent_claims_of_one_attempt_let_exactly_one_through(store: Any) -> None:
     contenders = 4
     for n in range(contenders):
         given_session(store, f"s{n}")
@@ -142,7 +151,7 @@ def test_concurrent_offers_of_one_attempt_let_exactly_one_through(store: Any) ->
         barrier.wait()
         try:
             with store.unit_of_work() as uow:
-                offer(uow, attempt_id, f"s{n}")
+                claim_attempt(uow, attempt_id, f"s{n}", token=f"token-of-s{n}")
                 uow.commit()
             outcome = "won"
         except DomainError as error:
@@ -163,9 +172,10 @@ def test_concurrent_offers_of_one_attempt_let_exactly_one_through(store: Any) ->
         leases = uow.runs.leases_of("r1")
         assert len(leases) == 1
         attempt = uow.runs.get_attempt(attempt_id)
-        assert attempt is not None and attempt.status is AttemptStatus.CLAIMED
+        assert attempt is not None and attempt.status is AttemptStatus.RUNNING
         assert attempt.session_id == leases[0].holder_session_id
         assert len(uow.runs.events_of("r1")) == 2
+        assert [e.event.type for e in uow.runs.events_of("r1")][-1] is EventType.ATTEMPT_STARTED
 
 
 def test_each_test_starts_from_an_empty_store(store: Any) -> None:
@@ -173,4 +183,66 @@ def test_each_test_starts_from_an_empty_store(store: Any) -> None:
         assert list(uow.runs.list_runs(None, 10)) == []
     assert store.recovery_candidates(16).items == ()
     assert store.orphaned_runs(16).items == ()
-    assert list(store.available_sessions(60_000)) == []
+    gate = store.dispatch_gate()
+    assert (gate.open, gate.reason) == (True, None)
+
+
+def test_concurrent_claims_of_one_session_count_its_capacity_one_after_the_other(
+    store: Any,
+) -> None:
+    """Each claim locks the session row before it counts the session's leases, so claims of
+    one session running at once never hold more than its capacity."""
+    with committed(store) as uow:
+        register(uow, "s1", "w1", capacity=2)
+    for n in range(6):
+        given_queued(store, f"r{n}")
+    contenders = 4
+    barrier = threading.Barrier(contenders)
+    claimed: list[int] = []
+    outcomes_lock = threading.Lock()
+
+    def contend(n: int) -> None:
+        barrier.wait()
+        taken = 0
+        try:
+            with store.unit_of_work() as uow:
+                lock = uow.runs.lock_for_claim("s1", [TASK], 4)
+                assert lock.capacity is not None
+                writes = []
+                for snapshot in lock.candidates[: lock.capacity.free]:
+                    assert snapshot.attempt is not None
+                    change = claim(
+                        run=snapshot.run,
+                        attempt=snapshot.attempt,
+                        previous_lease=snapshot.lease,
+                        session=lock.capacity.session,
+                        token_hash=hash_token(f"token-{n}-{snapshot.run.id}"),
+                        ttl_ms=60_000,
+                        now_ms=lock.observed_at_ms,
+                    )
+                    writes.append((snapshot, change))
+                uow.runs.apply_many(writes)
+                uow.commit()
+                taken = len(writes)
+        except ConcurrencyConflict:
+            taken = 0
+        with outcomes_lock:
+            claimed.append(taken)
+
+    threads = [threading.Thread(target=contend, args=(n,)) for n in range(contenders)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+
+    assert len(claimed) == contenders
+    assert sum(claimed) == 2, claimed
+    with store.unit_of_work() as uow:
+        held = list(uow.sessions.held_by("s1"))
+        assert len(held) == 2
+        for attempt_id in held:
+            events = uow.runs.events_of(attempt_id.removesuffix("a1"))
+            assert [e.event.type for e in events] == [
+                EventType.RUN_ADMITTED,
+                EventType.ATTEMPT_STARTED,
+            ]

@@ -1,14 +1,15 @@
 """Seeding expired recovery candidates through the real services, and checking the result.
 
-:func:`seed_with_services` admits Runs, registers worker sessions, dispatches through the
-scheduler's own task-attempt admission step, lets each worker accept (and for most, activate and
-report running) its offers through the worker commands, then closes every session: the closed
-session is the trusted not-running evidence. Each Attempt ends in one of four shapes, round robin
-by dispatch order: offered only (claimed, no token), accepted (claimed), activated (starting) and
-running. Each is a candidate whose lease generation 1 is ``leased`` at version 1.
+:func:`seed_with_services` admits Runs, registers worker sessions, lets each worker claim
+(ADR 0007: a claim starts the Attempt) as many as its capacity allows through the worker
+commands, renews some of the leases, then closes every session: the closed session is the
+trusted not-running evidence. Each Attempt ends in one of two shapes, round robin by claim
+order: claimed (``running``, the lease as the claim granted it) and renewed (``running``, the
+lease's expiry moved by a renewal). Each is a candidate whose lease generation 1 is ``leased``
+at version 1.
 
-The service path costs about 50 ms per Run and step on a small machine, far too slow for 1,000
-Runs, so :func:`clone_runs` multiplies such service-built Runs with set-based SQL: every row of
+The service path costs milliseconds per Run, far too slow for 1,000 Runs on a small machine,
+so :func:`clone_runs` multiplies such service-built Runs with set-based SQL: every row of
 ``runs``, ``run_attempts``, ``run_dispatch_leases`` and ``run_events`` of a template Run is copied
 with fresh ids and nothing else changed, so the copies satisfy every constraint of the schema and
 the domain's candidate predicate exactly as their templates do (sessions are shared: a closed
@@ -27,14 +28,12 @@ from dataclasses import dataclass
 import psycopg
 
 from application.admission import AdmissionRequest
-from application.worker_commands import SessionGrant, WorkerCommands
 from bootstrap.cluster import ClusterContainer, build
 from domain.fence import LeaseFence
 from tests.postgres_server import connect
 
 TASK = "replica-mail"
-TOKEN_PREFIX = "replica-token-"  # + attempt id: >= 22 characters
-SHAPES = ("offered", "accepted", "starting", "running")
+SHAPES = ("claimed", "renewed")
 
 
 @dataclass(frozen=True)
@@ -47,12 +46,7 @@ class SeededState:
 
 def seed_container(database_url: str, lease_ttl_s: float) -> ClusterContainer:
     """A Cluster container used only to build the state."""
-    return build(
-        database_url=database_url,
-        lease_ttl_s=lease_ttl_s,
-        dispatch_page_size=16,
-        session_silence_s=300.0,
-    )
+    return build(database_url=database_url, lease_ttl_s=lease_ttl_s)
 
 
 def seed_with_services(
@@ -62,12 +56,11 @@ def seed_with_services(
     workers: int = 2,
     shapes: tuple[str, ...] = SHAPES,
 ) -> SeededState:
-    """``count`` dispatched Runs whose worker sessions are then all closed. Their leases expire
+    """``count`` claimed Runs whose worker sessions are then all closed. Their leases expire
     after the container's lease TTL."""
     started = time.monotonic()
     admission = container.core.admission()
     commands = container.core.worker_commands()
-    dispatch = container.core.task_attempt_admission()
     run_ids = tuple(
         admission.submit_many([AdmissionRequest(task=TASK, input={"n": i}) for i in range(count)])
     )
@@ -77,21 +70,24 @@ def seed_with_services(
         for i in range(workers)
     ]
     attempt_ids: list[str] = []
-    seen: set[str] = set()
     tally: Counter[str] = Counter()
-    while len(attempt_ids) < count:
-        report = dispatch.run_once()
-        if report.offered == 0:
-            raise AssertionError(f"dispatch stalled after {len(attempt_ids)} offers: {report}")
-        for grant in grants:
-            for offer in commands.heartbeat(grant.session_id, grant.secret):
-                if offer.attempt_id in seen:  # an offer left unaccepted on purpose
-                    continue
-                seen.add(offer.attempt_id)
-                shape = shapes[len(attempt_ids) % len(shapes)]
-                _drive(commands, grant, offer.attempt_id, offer.generation, offer.version, shape)
-                attempt_ids.append(offer.attempt_id)
-                tally[shape] += 1
+    renewals: dict[str, list[LeaseFence]] = {grant.session_id: [] for grant in grants}
+    for grant in grants:
+        answer = commands.claim(grant.session_id, grant.secret, limit=capacity)
+        for claimed in answer.grants:
+            shape = shapes[len(attempt_ids) % len(shapes)]
+            if shape == "renewed":
+                renewals[grant.session_id].append(claimed.fence)
+            attempt_ids.append(claimed.attempt_id)
+            tally[shape] += 1
+    if len(attempt_ids) != count:
+        raise AssertionError(f"claims started {len(attempt_ids)} of {count} Runs")
+    time.sleep(0.005)  # a renewal moves the expiry past the one the claim granted
+    for grant in grants:
+        fences = renewals[grant.session_id]
+        if fences:
+            answer = commands.renew_many(grant.session_id, grant.secret, fences)
+            assert all(result.ok for result in answer.results), answer
     for grant in grants:
         commands.close(grant.session_id, grant.secret)
     return SeededState(
@@ -100,26 +96,6 @@ def seed_with_services(
         shapes=tally,
         seconds=time.monotonic() - started,
     )
-
-
-def _drive(
-    commands: WorkerCommands,
-    grant: SessionGrant,
-    attempt_id: str,
-    generation: int,
-    version: int,
-    shape: str,
-) -> None:
-    if shape == "offered":
-        return
-    token = TOKEN_PREFIX + attempt_id
-    commands.accept(grant.session_id, grant.secret, attempt_id, generation, version, token)
-    if shape == "accepted":
-        return
-    fence = LeaseFence(attempt_id=attempt_id, generation=generation, version=version, token=token)
-    commands.activate(grant.session_id, grant.secret, fence)
-    if shape == "running":
-        commands.mark_running(grant.session_id, grant.secret, fence)
 
 
 def clone_runs(database_url: str, total: int) -> int:
@@ -244,7 +220,9 @@ def half_written(conn: psycopg.Connection[tuple[object, ...]]) -> list[tuple[obj
     Lost together means: Attempt ``lost`` with ``lease_version`` = its lease's version, that
     lease ``released`` (``lease_expired``, version 2), exactly one ``attempt_lost`` event, Run
     ``lost`` or settled (``failed``/``retry_wait``/``queued``). Untouched means: Attempt still
-    active, lease ``leased`` at version 1, no ``attempt_lost`` event, Run dispatching/running."""
+    ``running`` as its claim left it, lease ``leased`` at version 1, one ``attempt_started`` and
+    no ``attempt_lost`` event, Run ``running``; or never claimed: a pristine Attempt of a
+    ``queued`` Run, without lease or event of either kind."""
     return conn.execute(
         """
         WITH per_attempt AS (
@@ -253,7 +231,9 @@ def half_written(conn: psycopg.Connection[tuple[object, ...]]) -> list[tuple[obj
                    l.status AS lease_status, l.version AS lease_version,
                    l.release_reason AS reason,
                    (SELECT count(*) FROM run_events e
-                     WHERE e.attempt_id = a.id AND e.type = 'attempt_lost') AS lost_events
+                     WHERE e.attempt_id = a.id AND e.type = 'attempt_lost') AS lost_events,
+                   (SELECT count(*) FROM run_events e
+                     WHERE e.attempt_id = a.id AND e.type = 'attempt_started') AS started_events
               FROM runs r
               JOIN run_attempts a ON a.run_id = r.id AND a.number = 1
               LEFT JOIN run_dispatch_leases l
@@ -263,11 +243,16 @@ def half_written(conn: psycopg.Connection[tuple[object, ...]]) -> list[tuple[obj
          WHERE NOT (
             (attempt_status = 'lost' AND lease_status = 'released' AND lease_version = 2
              AND reason = 'lease_expired' AND attempt_lease_version = 2 AND lost_events = 1
+             AND started_events = 1
              AND run_status IN ('lost', 'failed', 'retry_wait', 'queued'))
             OR
-            (attempt_status IN ('claimed', 'starting', 'running') AND lease_status = 'leased'
+            (attempt_status = 'running' AND lease_status = 'leased'
              AND lease_version = 1 AND attempt_lease_version = 1 AND lost_events = 0
-             AND run_status IN ('dispatching', 'running'))
+             AND started_events = 1 AND run_status = 'running')
+            OR
+            (attempt_status = 'claimed' AND lease_status IS NULL
+             AND attempt_lease_version IS NULL AND lost_events = 0 AND started_events = 0
+             AND run_status = 'queued')
          )
         """
     ).fetchall()

@@ -49,14 +49,15 @@ def _reset(url: str) -> None:
 
 
 def _seed(url: str) -> tuple[list[str], float]:
-    """1,000 expired candidates with closed sessions; returns their attempt ids and seconds."""
+    """1,000 expired candidates (claimed, half of them renewed once) with closed sessions;
+    returns their attempt ids and seconds."""
     started = time.monotonic()
     container = seed_container(url, SEED_LEASE_TTL_S)
     try:
         seeded = seed_with_services(container, TEMPLATES, workers=2)
     finally:
         container.store().close()
-    assert sorted(seeded.shapes.values()) == [2, 2, 2, 2], seeded.shapes
+    assert sorted(seeded.shapes.values()) == [4, 4], seeded.shapes
     added = clone_runs(url, CANDIDATES)
     assert added == CANDIDATES - TEMPLATES
     wait_until_leases_expired(url)
@@ -67,25 +68,22 @@ def _seed(url: str) -> tuple[list[str], float]:
             " JOIN run_dispatch_leases l"
             "   ON l.run_id = a.run_id AND l.generation = a.lease_generation"
             " JOIN worker_sessions s ON s.id = a.session_id"
-            " WHERE a.status IN ('claimed', 'starting', 'running')"
-            "   AND r.status IN ('dispatching', 'running') AND r.owner = 'runtime'"
+            " WHERE a.status = 'running' AND a.started_at IS NOT NULL"
+            "   AND r.status = 'running' AND r.owner = 'runtime'"
             "   AND l.status = 'leased' AND l.version = 1 AND l.expires_at <= now()"
             "   AND s.status = 'closed'"
         ).fetchall()
         assert half_written(conn) == []
         shapes = dict(
             conn.execute(
-                "SELECT status || CASE WHEN accepted_at IS NULL THEN '/offered' ELSE '' END,"
-                " count(*) FROM run_attempts GROUP BY 1"
+                "SELECT CASE WHEN l.expires_at > l.granted_at + %s * interval '1 second'"
+                " THEN 'renewed' ELSE 'claimed' END, count(*)"
+                " FROM run_dispatch_leases l GROUP BY 1",
+                (SEED_LEASE_TTL_S,),
             ).fetchall()
         )
     assert len(rows) == CANDIDATES
-    assert shapes == {
-        "claimed/offered": 250,
-        "claimed": 250,
-        "starting": 250,
-        "running": 250,
-    }, shapes
+    assert shapes == {"claimed": CANDIDATES // 2, "renewed": CANDIDATES // 2}, shapes
     return [str(row[0]) for row in rows], time.monotonic() - started
 
 

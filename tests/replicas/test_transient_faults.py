@@ -2,8 +2,9 @@
 
 For each fault: the cycle ends cleanly (``run_cycle`` returns a summary that names the failed
 step; no exception escapes), nothing is half-written (each Run is either lost as a whole, with its
-lease released and one ``attempt_lost`` event, or untouched), and the next cycle goes on and
-recovers the work.
+lease released and one ``attempt_lost`` event, or untouched), the dispatch gate is closed (claims
+grant nothing while lease authority is unknown, ADR 0007), and the next cycle goes on, recovers
+the work and opens the gate again.
 
 Faults: (a) a serialization failure and (b) a deadlock victim, (c) ``pg_terminate_backend`` of
 the store's connections between cycles and in the middle of a cycle, (d) a restart of the server.
@@ -27,6 +28,7 @@ from adapters.postgres.engine import connection_ended
 from adapters.postgres.migrate import upgrade
 from adapters.postgres.store import PostgresStore
 from application.scheduler import CycleSummary
+from application.worker_commands import ClaimAnswer, NoGrant
 from bootstrap.cluster import ClusterContainer, build
 from tests.postgres_server import (
     DRIVER,
@@ -92,8 +94,6 @@ def cluster_for(url: str) -> ClusterContainer:
         # exact (with more, the ones already under way finish on their own).
         recovery_concurrency=1,
         lost_retry_page_size=16,
-        dispatch_page_size=16,
-        session_silence_s=300.0,
     )
 
 
@@ -141,11 +141,9 @@ def store_of(container: ClusterContainer) -> PostgresStore:
 
 
 def seed_expired(container: ClusterContainer, count: int = SEEDED) -> SeededState:
-    """``count`` dispatched Runs (claimed, starting, running) whose sessions closed, and the
-    store's clock moved past their lease TTL (the coordinator uses this very store)."""
-    seeded = seed_with_services(
-        container, count, workers=1, shapes=("accepted", "starting", "running")
-    )
+    """``count`` claimed Runs (some leases renewed) whose sessions closed, and the store's
+    clock moved past their lease TTL (the coordinator uses this very store)."""
+    seeded = seed_with_services(container, count, workers=1)
     store_of(container).testing_advance_clock(PAST_THE_TTL_MS)
     return seeded
 
@@ -156,23 +154,50 @@ def counts(summary: CycleSummary, step: str) -> dict[str, int]:
     return dict(outcome.counts)
 
 
-def assert_failed_cleanly(summary: CycleSummary, step: str, *signs: str) -> None:
-    """The cycle ended at ``step``, reported an error there, and ran nothing after it."""
+def assert_failed_cleanly(
+    summary: CycleSummary,
+    step: str,
+    *signs: str,
+    container: ClusterContainer | None = None,
+) -> None:
+    """The cycle ended at ``step``, reported an error there, and ran nothing after it; with
+    ``container``, the dispatch gate is closed and says why."""
     assert summary.aborted_at == step, summary.as_dict()
     assert not summary.ok
     last = summary.steps[-1]
     assert last.name == step and last.error is not None, summary.as_dict()
     assert any(sign in last.error for sign in signs), last.error
     assert [s.name for s in summary.steps][-1] == step
+    if container is not None:
+        gate = store_of(container).dispatch_gate()
+        assert not gate.open, gate
+        assert gate.reason is not None and gate.reason.startswith(f"{step} failed: "), gate
 
 
-def assert_recovers_all(summary: CycleSummary, url: str, seeded: SeededState) -> None:
+def assert_recovers_all(
+    summary: CycleSummary,
+    url: str,
+    seeded: SeededState,
+    container: ClusterContainer | None = None,
+) -> None:
+    """The cycle recovered every seeded Attempt and reached step 5; with ``container``, the
+    dispatch gate is open again."""
     assert summary.ok, summary.as_dict()
     assert counts(summary, "runtime_recovery")["recovered"] == len(seeded.attempt_ids)
     assert counts(summary, "lost_retry")["failed"] == len(seeded.attempt_ids)
     with connect(url) as conn:
         assert half_written(conn) == []
         assert lost_events_per_attempt(conn) == dict.fromkeys(seeded.attempt_ids, 1)
+    if container is not None:
+        assert store_of(container).dispatch_gate().open
+
+
+def claim_one(container: ClusterContainer, worker: str) -> ClaimAnswer:
+    """A fresh worker asks for one Attempt of a Run admitted for it."""
+    commands = container.core.worker_commands()
+    container.core.admission().submit("fault-claim", {"worker": worker})
+    grant = commands.register(worker, capacity=1, tasks=["fault-claim"])
+    return commands.claim(grant.session_id, grant.secret, limit=1)
 
 
 def assert_untouched(url: str) -> None:
@@ -256,12 +281,21 @@ def test_serialization_failure_ends_the_cycle_and_the_next_one_recovers(
 
     failed = cluster.coordinator().run_cycle()
 
-    assert_failed_cleanly(failed, "runtime_recovery", "SerializationFailure", "40001")
+    assert_failed_cleanly(
+        failed, "runtime_recovery", "SerializationFailure", "40001", container=cluster
+    )
     # The Run and Attempt updates before the refused lease update were rolled back with it.
+    assert_untouched(pg_database_url)
+    # Fail closed: while lease authority is unknown, a claim grants nothing and says why.
+    refused = claim_one(cluster, "fault-worker-1")
+    assert (refused.grants, refused.no_grant) == ((), NoGrant.GATE_CLOSED)
+    assert refused.detail == store_of(cluster).dispatch_gate().reason
     assert_untouched(pg_database_url)
 
     fault_trigger(None)
-    assert_recovers_all(cluster.coordinator().run_cycle(), pg_database_url, seeded)
+    assert_recovers_all(cluster.coordinator().run_cycle(), pg_database_url, seeded, cluster)
+    granted = claim_one(cluster, "fault-worker-2")
+    assert len(granted.grants) == 1 and granted.no_grant is None
 
 
 # --- (b) deadlock victim -----------------------------------------------------------------------
@@ -291,13 +325,15 @@ def test_deadlock_victim_ends_the_cycle_and_the_next_one_recovers(
             rival.execute("SELECT 1 FROM run_attempts WHERE id = %s FOR UPDATE", (attempt_id,))
         summary = cycle.join()
 
-    assert_failed_cleanly(summary, "runtime_recovery", "DeadlockDetected", "deadlock")
+    assert_failed_cleanly(
+        summary, "runtime_recovery", "DeadlockDetected", "deadlock", container=cluster
+    )
     assert_untouched(pg_database_url)
     time.sleep(0.6)  # statistics are flushed at most once a second per backend
     with pg_server.connect_admin() as admin:
         assert deadlocks(admin, dbname) > deadlocks_before
 
-    assert_recovers_all(cluster.coordinator().run_cycle(), pg_database_url, seeded)
+    assert_recovers_all(cluster.coordinator().run_cycle(), pg_database_url, seeded, cluster)
 
 
 # --- (c) pg_terminate_backend ------------------------------------------------------------------
@@ -322,9 +358,7 @@ def terminate_all_but(
 def test_terminated_connections_between_cycles_are_replaced(
     cluster: ClusterContainer, pg_database_url: str
 ) -> None:
-    seeded = seed_with_services(
-        cluster, SEEDED, workers=1, shapes=("accepted", "starting", "running")
-    )
+    seeded = seed_with_services(cluster, SEEDED, workers=1)
     # A cycle while every lease is live: nothing to recover, but the pool now holds
     # connections that were used.
     idle = cluster.coordinator().run_cycle()
@@ -336,7 +370,7 @@ def test_terminated_connections_between_cycles_are_replaced(
 
     store_of(cluster).testing_advance_clock(PAST_THE_TTL_MS)
     # The pool sees at checkout that the server ended them, and replaces them.
-    assert_recovers_all(cluster.coordinator().run_cycle(), pg_database_url, seeded)
+    assert_recovers_all(cluster.coordinator().run_cycle(), pg_database_url, seeded, cluster)
 
 
 def test_terminated_connection_during_a_cycle_ends_it_and_the_next_one_recovers(
@@ -358,11 +392,16 @@ def test_terminated_connection_during_a_cycle_ends_it_and_the_next_one_recovers(
         summary = cycle.join()
 
     assert_failed_cleanly(
-        summary, "runtime_recovery", "AdminShutdown", "terminat", "OperationalError"
+        summary,
+        "runtime_recovery",
+        "AdminShutdown",
+        "terminat",
+        "OperationalError",
+        container=cluster,
     )
     assert_untouched(pg_database_url)
 
-    assert_recovers_all(cluster.coordinator().run_cycle(), pg_database_url, seeded)
+    assert_recovers_all(cluster.coordinator().run_cycle(), pg_database_url, seeded, cluster)
 
 
 # --- (d) server restart ------------------------------------------------------------------------
@@ -417,9 +456,7 @@ def test_server_restart_between_cycles(restartable_server: RestartableServer) ->
     url = restartable_server.url
     container = cluster_for(url)
     try:
-        seeded = seed_with_services(
-            container, SEEDED, workers=1, shapes=("accepted", "starting", "running")
-        )
+        seeded = seed_with_services(container, SEEDED, workers=1)
         before = container.coordinator().run_cycle()
         assert before.ok, before.as_dict()
         assert counts(before, "runtime_recovery")["examined"] == 0
@@ -428,14 +465,15 @@ def test_server_restart_between_cycles(restartable_server: RestartableServer) ->
         store_of(container).testing_advance_clock(PAST_THE_TTL_MS)
 
         summaries = [container.coordinator().run_cycle()]
-        # The first cycle after the restart either works or fails cleanly, untouched.
+        # The first cycle after the restart either works or fails cleanly, untouched (its
+        # gate close may have met a connection the restart ended too: not asserted here).
         if not summaries[0].ok:
             assert_failed_cleanly(
                 summaries[0], "runtime_recovery", "OperationalError", "terminat", "connection"
             )
             assert_untouched(url)
             summaries.append(container.coordinator().run_cycle())
-        assert_recovers_all(summaries[-1], url, seeded)
+        assert_recovers_all(summaries[-1], url, seeded, container)
     finally:
         store_of(container).close()
 

@@ -4,15 +4,20 @@
 must return ``(store, advance_clock)``: a fresh, empty store implementing
 :class:`application.ports.RuntimeStore` and a callable that moves the store's clock forward by
 a number of milliseconds. The machine drives the real application services (admission, the
-worker protocol, dispatch, the cluster coordinator, startup recovery) and keeps a tiny model
-beside the store: the sessions and their secrets, the fences each worker holds, the attempts
-that ever crossed the start barrier, and the highest lease version seen per (run, generation).
-After every step its invariant checks every invariant of DESIGN.md against the store."""
+worker protocol of ADR 0007, the dispatch gate, the cluster coordinator, startup recovery) and
+keeps a small model beside the store: the sessions and their secrets, every fence a claim ever
+granted, the Attempts that were ever claimed, the dispatch gate, and the highest lease version
+seen per (run, generation).
+
+Every worker command is checked against an independent statement of what it must do, worked
+out from the store's state before the command: each item's outcome (or the reason it was
+refused), and then the exact rows and the one event each accepted item changed; everything
+else must be unchanged. After every step the invariants check the store as a whole."""
 
 from __future__ import annotations
 
-from collections import defaultdict
-from collections.abc import Callable
+from collections import Counter, defaultdict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,14 +28,15 @@ from hypothesis.stateful import (
     RuleBasedStateMachine,
     initialize,
     invariant,
+    multiple,
     precondition,
     rule,
 )
 
-from application.admission import Admission
-from application.dispatch import TaskAttemptAdmission
+from application.admission import Admission, AdmissionRequest
+from application.dispatch import DispatchGateStep
 from application.lost_retry import LostRetry
-from application.ports import RuntimeStore
+from application.ports import DispatchGate, RuntimeStore
 from application.recovery import RuntimeRecovery
 from application.scheduler import (
     ClusterSchedulerCoordinator,
@@ -39,45 +45,79 @@ from application.scheduler import (
     SchedulerCoordinator,
 )
 from application.startup import StartupRecovery
-from application.worker_commands import WorkerCommands
-from domain.errors import (
-    DomainError,
-    FenceReason,
-    FenceRejected,
-    InvalidTransition,
-    SessionRejected,
+from application.worker_commands import (
+    Abandonment,
+    BatchAnswer,
+    ClaimAnswer,
+    Completion,
+    ItemResult,
+    NoGrant,
+    Release,
+    WorkerCommands,
 )
+from domain.errors import InvalidTransition, SessionRejected
 from domain.events import EventType
 from domain.fence import LeaseFence, hash_token
 from domain.model import (
+    TERMINAL_ATTEMPT_STATUSES,
+    Attempt,
     AttemptStatus,
+    DispatchLease,
+    EvidenceKind,
     LeaseStatus,
     ReleaseReason,
     RunStatus,
     SessionStatus,
 )
 from domain.policy import RETRYABLE_SAFETY, Backoff, RetryPolicy, Safety
-from tests.application.support import CountingIdentities, StoreView, store_view
+from domain.states import OPEN_SESSION_STATUSES, RECOVERABLE_RUN_STATUSES
+from tests.application.support import CountingIdentities, RunView, StoreView, store_view
 
 StoreFactory = Callable[[], tuple[RuntimeStore, Callable[[int], Any]]]
 
 LEASE_TTL_MS = 5_000
-SILENCE_MS = 60_000
 # How far a real database clock may move by itself between two reads of one step.
 CLOCK_SLACK_MS = 1_000
 TASKS = ("a", "b")
 WORKERS = ("w1", "w2", "w3")
-OPEN = frozenset({SessionStatus.ACTIVE, SessionStatus.DRAINING})
-LOSSY = frozenset({AttemptStatus.LOST, AttemptStatus.SUCCEEDED, AttemptStatus.FAILED})
+OPEN = OPEN_SESSION_STATUSES
+# A fence as the worker holds it, or stale in one way: another version, another generation,
+# another token. Expired and released fences come from the clock and from earlier commands;
+# another session's fence from presenting it through another session.
+MUTATIONS = (None, None, None, "version", "generation", "token")
+# One fence to pick: (index into the pool, an older generation's, mutation).
+PICKS = st.tuples(
+    st.integers(0, 63), st.sampled_from([False, False, False, True]), st.sampled_from(MUTATIONS)
+)
+BATCH = st.lists(PICKS, min_size=1, max_size=3)
+POOLS = st.sampled_from(["live", "live", "own", "any"])
+# The session a batch goes through: a live lease's holder (None) or any session.
+CALLERS = st.sampled_from([None, None, None, 0, 1, 2, 3])
+GATE_REASONS = ("runtime_recovery failed: OperationalError", "lost_retry failed: timeout")
+# Events only the offer protocol of ADR 0005 wrote.
+LEGACY_EVENTS = frozenset(
+    {
+        EventType.ATTEMPT_OFFERED,
+        EventType.ATTEMPT_ACCEPTED,
+        EventType.ATTEMPT_ACTIVATED,
+        EventType.ATTEMPT_RUNNING,
+    }
+)
 
 # How many machines (examples) and steps ran in this process, for the report.
 STATS: dict[str, int] = defaultdict(int)
 
+Picks = list[tuple[int, bool, str | None]]
+Item = tuple["Held", LeaseFence]
+# An item's outcome, comparable with an ItemResult: ("ok", outcome) or ("rejected", kind, reason).
+Expect = tuple[str, str, str | None]
+
 
 def policies() -> st.SearchStrategy[RetryPolicy | None]:
     backoffs = st.builds(
-        lambda initial, extra, mult: Backoff(initial_ms=initial, multiplier=mult,
-                                             cap_ms=initial + extra),
+        lambda initial, extra, mult: Backoff(
+            initial_ms=initial, multiplier=mult, cap_ms=initial + extra
+        ),
         st.sampled_from([0, 10, 1_000]),
         st.sampled_from([0, 500, 5_000]),
         st.sampled_from([1.0, 2.0]),
@@ -107,73 +147,224 @@ def retry_safe(policy: RetryPolicy | None) -> bool:
     )
 
 
-def _only_evidence_added(before: StoreView, after: StoreView, run_id: str) -> None:
-    """A stop report changes no state; it appends exactly one ``evidence_recorded`` event."""
-    assert {k: v for k, v in after.runs.items() if k != run_id} == {
-        k: v for k, v in before.runs.items() if k != run_id
-    }
-    old, new = before.runs[run_id], after.runs[run_id]
-    assert (new.run, new.attempts, new.leases) == (old.run, old.attempts, old.leases)
-    assert list(new.events[: len(old.events)]) == list(old.events)
-    added = list(new.events[len(old.events) :])
-    assert len(added) == 1 and added[0][1] == EventType.EVIDENCE_RECORDED.value, added
-
-
 @dataclass(frozen=True)
 class Held:
-    """A fence a worker holds, with the session that accepted it."""
+    """A fence a claim granted, with the Run and the session it was granted to."""
 
     run_id: str
     session_id: str
     fence: LeaseFence
 
 
-def _replay_statuses(events: list[tuple[int, str, str | None, dict[str, object]]]):  # type: ignore[no-untyped-def]
-    """The Run and Attempt statuses the event stream implies; every event must be a change."""
+# --- reading a store view ----------------------------------------------------------------------
+
+
+def _attempt(rv: RunView, attempt_id: str) -> Attempt:
+    return next(a for a in rv.attempts if a.id == attempt_id)
+
+
+def _lease(rv: RunView, generation: int) -> DispatchLease | None:
+    return next((x for x in rv.leases if x.generation == generation), None)
+
+
+def _locked_lease(rv: RunView, attempt: Attempt) -> DispatchLease | None:
+    """The lease :meth:`RunRepository.lock_attempt` gives with ``attempt``: its own generation's,
+    or, for an Attempt without one, the Run's latest."""
+    if attempt.lease_generation is not None:
+        return _lease(rv, attempt.lease_generation)
+    return max(rv.leases, key=lambda x: x.generation) if rv.leases else None
+
+
+def _held_by(view: StoreView, session_id: str) -> list[str]:
+    """What :meth:`WorkerSessionRegistry.held_by` must answer."""
+    return sorted(
+        x.attempt_id
+        for rv in view.runs.values()
+        for x in rv.leases
+        if x.status is LeaseStatus.LEASED and x.holder_session_id == session_id
+    )
+
+
+def _new_events(before: RunView, after: RunView) -> list[tuple[Any, ...]]:
+    assert list(after.events[: len(before.events)]) == list(before.events), "events rewritten"
+    return list(after.events[len(before.events) :])
+
+
+def _one_event(
+    before: RunView, after: RunView, kind: EventType, attempt_id: str
+) -> dict[str, Any]:
+    added = _new_events(before, after)
+    assert len(added) == 1, added
+    _, event_type, event_attempt, data = added[0]
+    assert (event_type, event_attempt) == (kind.value, attempt_id), added[0]
+    return data
+
+
+def _only_evidence_added(before: StoreView, after: StoreView, run_id: str) -> None:
+    """A stop report changes no state; it appends exactly one ``evidence_recorded`` event."""
+    old, new = before.runs[run_id], after.runs[run_id]
+    assert (new.run, new.attempts, new.leases) == (old.run, old.attempts, old.leases)
+    added = _new_events(old, new)
+    assert len(added) == 1 and added[0][1] == EventType.EVIDENCE_RECORDED.value, added
+
+
+def _one_report_added(
+    before: StoreView, after: StoreView, attempt_id: str, kind: EvidenceKind
+) -> None:
+    """Exactly one stop report of ``kind`` was added for the Attempt (reports of one instant
+    may come back in any order)."""
+    old = Counter(r.kind for r in before.reports[attempt_id])
+    new = Counter(r.kind for r in after.reports[attempt_id])
+    assert new - old == Counter({kind: 1}) and not old - new, (old, new)
+
+
+def _fence_error(
+    lease: DispatchLease | None, fence: LeaseFence, now: int, *, holder_only: bool = False
+) -> str | None:
+    """Why the fence does not name this lease (``holder_only``), or is not live at ``now``."""
+    if lease is None:
+        return "no_lease"
+    if lease.attempt_id != fence.attempt_id:
+        return "attempt_mismatch"
+    if lease.generation != fence.generation:
+        return "generation_mismatch"
+    if lease.token_hash is None or lease.token_hash != hash_token(fence.token):
+        return "token_mismatch"
+    if holder_only:
+        return None
+    if lease.version != fence.version:
+        return "version_mismatch"
+    if lease.status is not LeaseStatus.LEASED:
+        return "released"
+    if lease.expires_at_ms <= now:
+        return "expired"
+    return None
+
+
+def _fence_rejected(reason: str) -> Expect:
+    return ("rejected", "fence_rejected", reason)
+
+
+STATE: Expect = ("rejected", "invalid_state", None)
+
+
+def expect_item(
+    command: str, caller: str, fence: LeaseFence, run_view: RunView, now: int
+) -> Expect:
+    """An independent statement of what one fenced item of ``caller`` must do at ``now``
+    (``command`` is ``renew``, ``complete_ok``, ``complete_failed``, ``release`` or
+    ``abandon``)."""
+    attempt = _attempt(run_view, fence.attempt_id)
+    run = run_view.run
+    lease = _locked_lease(run_view, attempt)
+    if lease is not None and lease.holder_session_id != caller:
+        return _fence_rejected("token_mismatch")  # another session's lease
+    if command == "renew":
+        error = _fence_error(lease, fence, now)
+        if error is not None:
+            return _fence_rejected(error)
+        return STATE if attempt.status.is_terminal else ("ok", "renewed", None)
+    if command.startswith("complete"):
+        ok = command == "complete_ok"
+        error = _fence_error(lease, fence, now)
+        if error is not None:
+            assert lease is not None or error == "no_lease"
+            if (
+                lease is not None
+                and _fence_error(lease, fence, now, holder_only=True) is None
+                and lease.status is LeaseStatus.RELEASED
+                and lease.release_reason is ReleaseReason.COMPLETED
+                and lease.version == fence.version + 1
+                and attempt.lease_generation == fence.generation
+                and attempt.status is (AttemptStatus.SUCCEEDED if ok else AttemptStatus.FAILED)
+            ):
+                return ("ok", "already_completed", None)
+            return _fence_rejected(error)
+        if not attempt.status.is_started or run.status is not RunStatus.RUNNING:
+            return STATE
+        return ("ok", "succeeded" if ok else "failed", None)
+    if command == "release":
+        error = _fence_error(lease, fence, now, holder_only=True)
+        if error is not None:
+            return _fence_rejected(error)
+        assert lease is not None
+        if lease.version != fence.version:
+            return _fence_rejected("version_mismatch")
+        if run.status not in (RunStatus.RUNNING, RunStatus.DISPATCHING):
+            return STATE
+        if attempt.status.is_terminal:
+            return STATE
+        if lease.generation != attempt.lease_generation:
+            return _fence_rejected("no_lease")
+        if lease.status is not LeaseStatus.LEASED:
+            return _fence_rejected("released")
+        return ("ok", "released", None)
+    assert command == "abandon", command
+    error = _fence_error(lease, fence, now)
+    if error == "expired":
+        return STATE if attempt.status.is_terminal else ("ok", "recorded", None)
+    if error is not None:
+        return _fence_rejected(error)
+    if run.status not in RECOVERABLE_RUN_STATUSES:
+        return STATE
+    return ("ok", "lost", None)
+
+
+def observed(result: ItemResult) -> Expect:
+    if result.rejection is None:
+        assert result.outcome is not None
+        return ("ok", result.outcome.value, None)
+    reason = result.reason if result.rejection.value == "fence_rejected" else None
+    return ("rejected", result.rejection.value, reason)
+
+
+# --- the event stream --------------------------------------------------------------------------
+
+
+def _replay(events: Sequence[tuple[Any, ...]]) -> tuple[RunStatus | None, dict[str, Any]]:
+    """The Run and Attempt statuses (and whether each claimed Attempt is pristine) that the
+    event stream implies; every event must be a change."""
     status: RunStatus | None = None
-    attempts: dict[str, AttemptStatus] = {}
-    accepted: set[str] = set()
+    attempts: dict[str, tuple[AttemptStatus, bool]] = {}
     for _, kind, attempt_id, _data in events:
         before = (status, dict(attempts))
         event = EventType(kind)
+        assert event not in LEGACY_EVENTS, f"{kind} is written only by the offer protocol"
+        current = attempts.get(attempt_id) if attempt_id else None
         if event is EventType.RUN_ADMITTED:
             assert status is None, "admitted twice"
             status = RunStatus.QUEUED if attempt_id else RunStatus.CREATED
             if attempt_id:
-                attempts[attempt_id] = AttemptStatus.CLAIMED
+                attempts[attempt_id] = (AttemptStatus.CLAIMED, True)
         elif event is EventType.ATTEMPT_CREATED:
             assert status in (RunStatus.CREATED, RunStatus.RETRY_WAIT), status
             assert attempt_id and attempt_id not in attempts
             status = RunStatus.QUEUED
-            attempts[attempt_id] = AttemptStatus.CLAIMED
-        elif event is EventType.ATTEMPT_OFFERED:
-            assert status is RunStatus.QUEUED and attempts[attempt_id] is AttemptStatus.CLAIMED  # type: ignore[index]
-            status = RunStatus.DISPATCHING
-            accepted.discard(attempt_id)  # type: ignore[arg-type]
-        elif event is EventType.ATTEMPT_ACCEPTED:
-            assert attempts[attempt_id] is AttemptStatus.CLAIMED  # type: ignore[index]
-            assert attempt_id not in accepted, "accepted twice"
-            accepted.add(attempt_id)  # type: ignore[arg-type]
-            continue
-        elif event is EventType.EVIDENCE_RECORDED:
-            assert not attempts[attempt_id].is_terminal, "evidence for a finished attempt"  # type: ignore[index]
-            continue
-        elif event is EventType.ATTEMPT_ACTIVATED:
-            assert status is RunStatus.DISPATCHING
-            assert attempts[attempt_id] is AttemptStatus.CLAIMED  # type: ignore[index]
+            attempts[attempt_id] = (AttemptStatus.CLAIMED, True)
+        elif event is EventType.ATTEMPT_STARTED:
+            assert status is RunStatus.QUEUED, status
+            assert current == (AttemptStatus.CLAIMED, True), current
             status = RunStatus.RUNNING
-            attempts[attempt_id] = AttemptStatus.STARTING  # type: ignore[index]
-        elif event is EventType.ATTEMPT_RUNNING:
-            assert attempts[attempt_id] is AttemptStatus.STARTING  # type: ignore[index]
-            attempts[attempt_id] = AttemptStatus.RUNNING  # type: ignore[index]
+            attempts[attempt_id] = (AttemptStatus.RUNNING, False)  # type: ignore[index]
+        elif event is EventType.ATTEMPT_RELEASED:
+            assert status is RunStatus.RUNNING, status
+            assert current == (AttemptStatus.RUNNING, False), current
+            status = RunStatus.QUEUED
+            attempts[attempt_id] = (AttemptStatus.CLAIMED, True)  # type: ignore[index]
+        elif event is EventType.EVIDENCE_RECORDED:
+            assert current is not None and not current[0].is_terminal, "evidence of a finished"
+            continue
         elif event in (EventType.ATTEMPT_SUCCEEDED, EventType.ATTEMPT_FAILED):
-            assert attempts[attempt_id] in (AttemptStatus.STARTING, AttemptStatus.RUNNING)  # type: ignore[index]
+            assert status is RunStatus.RUNNING and current == (AttemptStatus.RUNNING, False)
             ok = event is EventType.ATTEMPT_SUCCEEDED
-            attempts[attempt_id] = AttemptStatus.SUCCEEDED if ok else AttemptStatus.FAILED  # type: ignore[index]
+            attempts[attempt_id] = (  # type: ignore[index]
+                AttemptStatus.SUCCEEDED if ok else AttemptStatus.FAILED,
+                False,
+            )
             status = RunStatus.SUCCEEDED if ok else RunStatus.FAILED
         elif event is EventType.ATTEMPT_LOST:
-            assert not attempts[attempt_id].is_terminal  # type: ignore[index]
-            attempts[attempt_id] = AttemptStatus.LOST  # type: ignore[index]
+            assert current is not None and not current[0].is_terminal
+            attempts[attempt_id] = (AttemptStatus.LOST, False)  # type: ignore[index]
             status = RunStatus.LOST
         elif event is EventType.RETRY_SCHEDULED:
             assert status is RunStatus.LOST
@@ -184,23 +375,31 @@ def _replay_statuses(events: list[tuple[int, str, str | None, dict[str, object]]
         elif event is EventType.RUN_CANCELLED:
             assert status is not None and not status.is_terminal
             status = RunStatus.CANCELLED
-            if attempt_id and not attempts[attempt_id].is_terminal:
-                attempts[attempt_id] = AttemptStatus.CANCELLED
+            if current is not None and not current[0].is_terminal:
+                attempts[attempt_id] = (AttemptStatus.CANCELLED, False)  # type: ignore[index]
+        else:
+            raise AssertionError(f"unexpected event {kind}")
         assert (status, attempts) != before, f"event {kind} changed nothing"
     return status, attempts
 
 
-def _without_expiry(view):  # type: ignore[no-untyped-def]
+def _without_expiry(view: RunView) -> tuple[Any, ...]:
     """A run's rows with the lease expiry blanked: renewals move only that and write no event."""
-    return (view.run, view.attempts,
-            tuple(evolve(lease, expires_at_ms=0) for lease in view.leases))
+    return (
+        view.run,
+        view.attempts,
+        tuple(evolve(lease, expires_at_ms=0) for lease in view.leases),
+    )
+
+
+def _count(key: str) -> None:
+    STATS[key] += 1
 
 
 def make_machine(
     store_factory: StoreFactory,
     *,
     lease_ttl_ms: int = LEASE_TTL_MS,
-    silence_ms: int = SILENCE_MS,
     page_size: int | None = None,
 ) -> type[RuleBasedStateMachine]:
     class RuntimeMachine(RuleBasedStateMachine):
@@ -213,26 +412,28 @@ def make_machine(
             self.store, self._advance = store_factory()
             ids = CountingIdentities("m")
             uow = self.store.unit_of_work
-            dispatch = TaskAttemptAdmission(uow, self.store, lease_ttl_ms=lease_ttl_ms,
-                                            max_silence_ms=silence_ms, page_size=page_size)
+            self.gate_step = DispatchGateStep(uow, self.store)
             self.admission = Admission(uow, ids)
             self.workers = WorkerCommands(uow, ids, lease_ttl_ms=lease_ttl_ms)
-            self.dispatch = dispatch
-            inner = SchedulerCoordinator(trigger_schedule=NoTriggerSchedule(),
-                                         workflow_frontier=NoWorkflowFrontier(),
-                                         task_attempt_admission=dispatch)
+            inner = SchedulerCoordinator(
+                trigger_schedule=NoTriggerSchedule(),
+                workflow_frontier=NoWorkflowFrontier(),
+                task_attempt_admission=self.gate_step,
+            )
             self.coordinator = ClusterSchedulerCoordinator(
                 runtime_recovery=RuntimeRecovery(uow, self.store, page_size=page_size),
                 lost_retry=LostRetry(uow, self.store, ids, page_size=page_size),
                 inner=inner,
+                gate=self.gate_step,
             )
             self.startup = StartupRecovery(uow, self.store, ids, page_size=page_size)
             # the model
             self.secrets: dict[str, str] = {}
             self.worker_of: dict[str, str] = {}
-            self.held: dict[str, Held] = {}
-            self.ever_started: dict[str, set[str]] = defaultdict(set)
+            self.fences: dict[str, list[Held]] = {}  # attempt id -> every grant, oldest first
+            self.ever_claimed: dict[str, set[str]] = defaultdict(set)
             self.max_version: dict[tuple[str, int], int] = {}
+            self.gate = DispatchGate(open=True)
             self.tokens = 0
             self.previous: StoreView | None = None
 
@@ -245,15 +446,227 @@ def make_machine(
         def view(self) -> StoreView:
             return store_view(self.store, self.secrets)  # type: ignore[arg-type]
 
+        def current(self) -> StoreView:
+            """The store as it is: what the invariants read after the previous step (nothing
+            changed it since), or a fresh read."""
+            if self.previous is not None and self.previous.sessions.keys() == self.secrets.keys():
+                return self.previous
+            return self.view()
+
         def expect_unchanged(self, before: StoreView) -> None:
-            after = self.view()
-            assert after == before, "a refused command changed the store"
+            assert self.view() == before, "a refused command changed the store"
 
-        def new_token(self) -> str:
+        def forged_token(self) -> str:
             self.tokens += 1
-            return f"token-{self.tokens:06d}-".ljust(32, "k")
+            return f"forged-{self.tokens:06d}-".ljust(32, "f")
 
-        # --- rules --------------------------------------------------------------------------
+        def mutate(self, fence: LeaseFence, mutation: str | None) -> LeaseFence:
+            if mutation == "version":
+                return evolve(fence, version=fence.version + 1)
+            if mutation == "generation":
+                return evolve(fence, generation=fence.generation + 1)
+            if mutation == "token":
+                return evolve(fence, token=self.forged_token())
+            return fence
+
+        def pick_fences(self, picks: Picks, caller: str, pool_of: str) -> list[Item]:
+            """Fences of distinct Attempts, chosen by ``picks`` from a pool: the caller's live
+            ones, all its own, or any. Each is current or an older generation's, and as the
+            worker holds it or stale in one way (``MUTATIONS``)."""
+            own = sorted(a for a, h in self.fences.items() if h[-1].session_id == caller)
+            live_now = self.live_attempts()
+            pools = {"live": [a for a in own if a in live_now], "own": own, "any": []}
+            pool = pools[pool_of] or sorted(self.fences)
+            drawn: dict[str, Item] = {}
+            for index, older, mutation in picks:
+                if not pool:
+                    break
+                attempt_id = pool[index % len(pool)]
+                grants = self.fences[attempt_id]
+                held = grants[0 if older else -1]
+                drawn.setdefault(attempt_id, (held, self.mutate(held.fence, mutation)))
+            return list(drawn.values())
+
+        def allowed(self, command: str, caller: str, fence: LeaseFence, before: StoreView,
+                    now: int, later: int) -> set[Expect]:
+            """The outcomes the store may give. A fake clock stands still, so this is exactly
+            the expectation at ``now``. A real database clock moves during the command: when
+            the lease's expiry fell between ``now`` and the clock read after the command, the
+            store may have judged either side of it (a renewal may also meet the expiry in its
+            compare-and-set); nowhere else is a different result tolerated."""
+            run_view = before.runs[self.run_of(fence.attempt_id)]
+            first = expect_item(command, caller, fence, run_view, now)
+            if later == now:
+                return {first}
+            last = expect_item(command, caller, fence, run_view, later)
+            if last == first:
+                return {first}
+            _count("expiry_raced_clock")
+            extra: set[Expect] = {("rejected", "conflict", None)} if command == "renew" else set()
+            return {first, last, *extra}
+
+        def mostly_open(self, session: str, pick: int) -> str:
+            """``session``, or most of the time an open session instead of a gone one."""
+            if self.previous is None or self.previous.sessions[session].status in OPEN:
+                return session
+            open_ = sorted(s for s, v in self.previous.sessions.items() if v.status in OPEN)
+            if not open_ or pick % 4 == 0:
+                return session
+            return open_[pick % len(open_)]
+
+        def live_attempts(self) -> set[str]:
+            """The Attempts whose lease was ``leased`` after the previous step."""
+            if self.previous is None:
+                return set()
+            return {
+                x.attempt_id
+                for rv in self.previous.runs.values()
+                for x in rv.leases
+                if x.status is LeaseStatus.LEASED
+            }
+
+        def run_of(self, attempt_id: str) -> str:
+            return self.fences[attempt_id][0].run_id
+
+        def check_times(self, value: int | None, now: int, later: int) -> None:
+            assert value is not None and now <= value <= later, (value, now, later)
+
+        # --- effects of accepted items ------------------------------------------------------
+
+        def check_effect(self, outcome: str, command: str, fence: LeaseFence, caller: str,
+                         before: StoreView, after: StoreView, now: int, later: int,
+                         expires_at: int | None = None) -> None:
+            """The exact rows and the one event an accepted item changed."""
+            rb = before.runs[self.run_of(fence.attempt_id)]
+            ra = after.runs[rb.run.id]
+            attempt_b, attempt_a = _attempt(rb, fence.attempt_id), _attempt(ra, fence.attempt_id)
+            others_b = [a for a in rb.attempts if a.id != fence.attempt_id]
+            assert [a for a in ra.attempts if a.id != fence.attempt_id] == others_b
+            lease_b = _lease(rb, fence.generation)
+            lease_a = _lease(ra, fence.generation)
+            other_leases = [x for x in rb.leases if x.generation != fence.generation]
+            assert [x for x in ra.leases if x.generation != fence.generation] == other_leases
+            _count(f"effect:{command}:{outcome}")
+            if outcome in ("already_completed",):
+                assert ra == rb
+                return
+            if outcome == "recorded":
+                _only_evidence_added(before, after, rb.run.id)
+                _one_report_added(before, after, fence.attempt_id, EvidenceKind.WORKER_ABANDONED)
+                return
+            assert lease_b is not None and lease_a is not None
+            if outcome == "renewed":
+                assert ra.run == rb.run and ra.attempts == rb.attempts
+                assert ra.events == rb.events, "a renewal writes no event"
+                assert lease_a == evolve(lease_b, expires_at_ms=lease_a.expires_at_ms)
+                assert lease_a.expires_at_ms == expires_at
+                low = max(lease_b.expires_at_ms, now + lease_ttl_ms)
+                high = max(lease_b.expires_at_ms, later + lease_ttl_ms)
+                assert low <= lease_a.expires_at_ms <= high, (lease_b, lease_a, now, later)
+                return
+            released_at = lease_a.released_at_ms
+            self.check_times(released_at, now, later)
+            if outcome in ("succeeded", "failed"):
+                ok = outcome == "succeeded"
+                error = None if ok else "task error"
+                assert ra.run == evolve(
+                    rb.run,
+                    status=RunStatus.SUCCEEDED if ok else RunStatus.FAILED,
+                    output={"ok": ok} if ok else None,
+                    error=error,
+                    updated_at_ms=released_at,
+                )
+                assert attempt_a == evolve(
+                    attempt_b,
+                    status=AttemptStatus.SUCCEEDED if ok else AttemptStatus.FAILED,
+                    lease_version=lease_b.version + 1,
+                    finished_at_ms=released_at,
+                    error=error,
+                    updated_at_ms=released_at,
+                )
+                reason = ReleaseReason.COMPLETED
+                kind = EventType.ATTEMPT_SUCCEEDED if ok else EventType.ATTEMPT_FAILED
+                _one_event(rb, ra, kind, fence.attempt_id)
+            elif outcome == "released":
+                assert ra.run == evolve(rb.run, status=RunStatus.QUEUED, updated_at_ms=released_at)
+                assert attempt_a == evolve(
+                    attempt_b,
+                    status=AttemptStatus.CLAIMED,
+                    session_id=None,
+                    worker_id=None,
+                    lease_generation=None,
+                    lease_version=None,
+                    offered_at_ms=None,
+                    accepted_at_ms=None,
+                    started_at_ms=None,
+                    updated_at_ms=released_at,
+                )
+                assert attempt_a.is_pristine
+                reason = ReleaseReason.HANDED_BACK
+                data = _one_event(rb, ra, EventType.ATTEMPT_RELEASED, fence.attempt_id)
+                assert data["cause"] == ("not_held" if command == "claim" else "not_started")
+                assert data["session_id"] == caller
+                assert (data["lease_generation"], data["lease_version"]) == (
+                    lease_b.generation,
+                    lease_b.version + 1,
+                )
+            else:
+                assert outcome == "lost", outcome
+                assert ra.run == evolve(rb.run, status=RunStatus.LOST, updated_at_ms=released_at)
+                assert attempt_a == evolve(
+                    attempt_b,
+                    status=AttemptStatus.LOST,
+                    lease_version=lease_b.version + 1,
+                    lost_evidence=EvidenceKind.WORKER_ABANDONED,
+                    finished_at_ms=released_at,
+                    updated_at_ms=released_at,
+                )
+                reason = ReleaseReason.ABANDONED
+                data = _one_event(rb, ra, EventType.ATTEMPT_LOST, fence.attempt_id)
+                assert data["evidence"] == EvidenceKind.WORKER_ABANDONED.value, data
+            assert lease_b.status is LeaseStatus.LEASED
+            assert lease_a == evolve(
+                lease_b,
+                status=LeaseStatus.RELEASED,
+                version=lease_b.version + 1,
+                release_reason=reason,
+                released_at_ms=released_at,
+            )
+
+        def check_batch(self, command: str, caller: str,
+                        items: list[tuple[Held, LeaseFence]], results: Sequence[ItemResult],
+                        before: StoreView, after: StoreView, now: int, later: int) -> set[str]:
+            """Every item's result is one the store may give, and each accepted item changed
+            exactly its rows; returns the ids of the Runs the items changed."""
+            assert [r.attempt_id for r in results] == [f.attempt_id for _, f in items]
+            touched: set[str] = set()
+            for (_, fence), result in zip(items, results, strict=True):
+                got = observed(result)
+                allowed = self.allowed(command, caller, fence, before, now, later)
+                _count(f"{command}:{got[0]}:{got[1]}:{got[2] or ''}")
+                assert got in allowed, (command, fence, got, allowed)
+                if got[0] == "ok":
+                    run_id = self.run_of(fence.attempt_id)
+                    if got[1] != "already_completed":
+                        assert run_id not in touched, "two items changed one run"
+                        touched.add(run_id)
+                    self.check_effect(got[1], command, fence, caller, before, after, now, later,
+                                      result.expires_at_ms)
+            return touched
+
+        def check_untouched(self, before: StoreView, after: StoreView, touched: set[str],
+                            added: Sequence[str] = ()) -> None:
+            """Nothing but the ``touched`` Runs changed, and no Run but ``added`` appeared."""
+            assert after.runs.keys() == before.runs.keys() | set(added)
+            for run_id, rv in before.runs.items():
+                if run_id not in touched:
+                    assert after.runs[run_id] == rv, f"run {run_id} changed"
+            run_of = {a.id: rv.run.id for rv in before.runs.values() for a in rv.attempts}
+            for attempt_id, reports in before.reports.items():
+                if run_of[attempt_id] not in touched:
+                    assert after.reports[attempt_id] == reports
+
+        # --- admission and sessions ---------------------------------------------------------
 
         @initialize(target=sessions)
         def first_session(self) -> str:
@@ -263,13 +676,31 @@ def make_machine(
         def first_run(self, policy: RetryPolicy | None) -> str:
             return self.admit("a", policy)
 
-        @rule(target=runs, task=st.sampled_from(TASKS), policy=policies())
         def admit(self, task: str, policy: RetryPolicy | None) -> str:
-            run_id = self.admission.submit(task, {"task": task}, policy)
-            run = self.view().runs[run_id]
-            assert run.run.status is RunStatus.QUEUED
-            assert run.run.policy == policy
+            (run_id,) = self.admit_many([task], policy)
             return run_id
+
+        @rule(target=runs, tasks=st.lists(st.sampled_from(TASKS), min_size=1, max_size=2),
+              policy=policies())
+        def admit_runs(self, tasks: list[str], policy: RetryPolicy | None) -> Any:
+            return multiple(*self.admit_many(tasks, policy))
+
+        def admit_many(self, tasks: list[str], policy: RetryPolicy | None) -> list[str]:
+            before = self.current()
+            run_ids = self.admission.submit_many(
+                [AdmissionRequest(task=task, input={"task": task}, policy=policy)
+                 for task in tasks]
+            )
+            after = self.view()
+            for run_id, task in zip(run_ids, tasks, strict=True):
+                run = after.runs[run_id]
+                assert (run.run.status, run.run.task, run.run.policy) == (
+                    RunStatus.QUEUED, task, policy
+                )
+                assert len(run.attempts) == 1 and run.attempts[0].is_pristine
+                assert [e[1] for e in run.events] == [EventType.RUN_ADMITTED.value]
+            self.check_untouched(before, after, set(), added=run_ids)
+            return run_ids
 
         @rule(
             target=sessions,
@@ -278,308 +709,435 @@ def make_machine(
             tasks=st.sets(st.sampled_from(TASKS), min_size=1),
         )
         def register(self, worker: str, capacity: int, tasks: set[str]) -> str:
-            before = self.view()
+            before = self.current()
             grant = self.workers.register(worker, capacity, sorted(tasks))
-            expected = {s for s, w in self.worker_of.items()
-                        if w == worker and before.sessions[s].status in OPEN}
+            expected = {
+                s
+                for s, w in self.worker_of.items()
+                if w == worker and before.sessions[s].status in OPEN
+            }
             assert set(grant.replaced_session_ids) == expected
             self.secrets[grant.session_id] = grant.secret
             self.worker_of[grant.session_id] = worker
             after = self.view()
-            assert after.sessions[grant.session_id].status is SessionStatus.ACTIVE
+            session = after.sessions[grant.session_id]
+            assert session.status is SessionStatus.ACTIVE
+            assert (session.capacity, tuple(session.tasks)) == (capacity, tuple(sorted(tasks)))
             for old in expected:
                 assert after.sessions[old].status is SessionStatus.REPLACED
+            assert after.runs == before.runs
             return grant.session_id
 
-        @rule()
-        def dispatch_step(self) -> None:
-            report = self.dispatch.run_once()
-            assert report.offered + report.skipped <= report.queued_seen
-
-        @rule(session=sessions, again=st.sampled_from(["same", "other", "none"]),
-              dispatch_first=st.booleans())
-        def heartbeat_and_accept(self, session: str, again: str, dispatch_first: bool) -> None:
-            if dispatch_first:
-                self.dispatch_step()
-            before = self.view()
+        @rule(session=sessions, action=st.sampled_from(["poll", "poll", "drain", "close"]))
+        def session_command(self, session: str, action: str) -> None:
+            """A heartbeat, a drain or a close; a gone session's command is refused."""
+            before = self.current()
             status = before.sessions[session].status
+            command = {"poll": self.workers.poll, "drain": self.workers.drain,
+                       "close": self.workers.close}[action]
             if status not in OPEN:
                 try:
-                    self.workers.heartbeat(session, self.secrets[session])
+                    command(session, self.secrets[session])
                 except SessionRejected:
                     self.expect_unchanged(before)
                     return
-                raise AssertionError(f"heartbeat of a {status.value} session succeeded")
-            offers = self.workers.heartbeat(session, self.secrets[session])
-            for offer in offers:
-                self._accept(session, offer, again)
-
-        def _accept(self, session: str, offer: Any, again: str) -> None:
-            token = self.new_token()
-            now = self.now()
-            before = self.view()
-            if offer.expires_at_ms <= now:
-                try:
-                    self.workers.accept(session, self.secrets[session], offer.attempt_id,
-                                        offer.generation, offer.version, token)
-                except FenceRejected as refused:
-                    assert refused.reason is FenceReason.EXPIRED
-                    self.expect_unchanged(before)
-                    return
-                raise AssertionError("an expired offer was accepted")
-            try:
-                self.workers.accept(session, self.secrets[session], offer.attempt_id,
-                                    offer.generation, offer.version, token)
-            except FenceRejected as refused:
-                # only a real database clock can pass the expiry during the command
-                assert refused.reason is FenceReason.EXPIRED, refused
-                assert offer.expires_at_ms <= self.now(), "a live offer was refused"
-                STATS["expiry_raced_clock"] += 1
-                self.expect_unchanged(before)
-                return
-            fence = LeaseFence(attempt_id=offer.attempt_id, generation=offer.generation,
-                               version=offer.version, token=token)
-            self.held[offer.attempt_id] = Held(run_id=offer.run_id, session_id=session,
-                                               fence=fence)
+                raise AssertionError(f"{action} of a {status.value} session was taken")
+            answer = command(session, self.secrets[session])
             after = self.view()
-            lease = after.runs[offer.run_id].leases[-1]
-            assert lease.token_hash == hash_token(token)
-            assert lease.version == offer.version
-            if again == "none":
-                return
-            repeat = token if again == "same" else self.new_token()
-            try:
-                self.workers.accept(session, self.secrets[session], offer.attempt_id,
-                                    offer.generation, offer.version, repeat)
-            except InvalidTransition as refused:
-                assert again == "same" and "already accepted" in str(refused)
-            except FenceRejected as refused:
-                assert again == "other" and refused.reason is FenceReason.TOKEN_MISMATCH
+            state = after.sessions[session]
+            if action == "poll":
+                assert answer.status is status is state.status
+                assert state.last_heartbeat_at_ms == answer.now_ms
             else:
-                raise AssertionError("an offer was accepted twice")
-            self.expect_unchanged(after)
+                expected = SessionStatus.DRAINING if action == "drain" else SessionStatus.CLOSED
+                assert state.status is expected
+            # a closed session's leases stay until recovery takes them
+            assert after.runs == before.runs and after.reports == before.reports
 
-        def _expected(self, command: str, held: Held, fence: LeaseFence,
-                      before: StoreView, now: int) -> tuple[str, type[DomainError] | None,
-                                                            FenceReason | None]:
-            """An independent statement of what the command must do at time ``now``."""
-            session = before.sessions[held.session_id]
-            if session.status not in OPEN and command != "abandon":
-                return "error", SessionRejected, None
-            run_view = before.runs[held.run_id]
-            attempt = next(a for a in run_view.attempts if a.id == fence.attempt_id)
-            lease = next((x for x in run_view.leases
-                          if x.generation == attempt.lease_generation), None)
-            if lease is None:
-                return "error", FenceRejected, FenceReason.NO_LEASE
-            if fence.generation != lease.generation:
-                return "error", FenceRejected, FenceReason.GENERATION_MISMATCH
-            if lease.token_hash != hash_token(fence.token):
-                return "error", FenceRejected, FenceReason.TOKEN_MISMATCH
-            if fence.version != lease.version:
-                return "error", FenceRejected, FenceReason.VERSION_MISMATCH
-            if lease.status is not LeaseStatus.LEASED:
-                return "error", FenceRejected, FenceReason.RELEASED
-            if lease.expires_at_ms <= now:
-                if command == "abandon" and not attempt.status.is_terminal:
-                    return "recorded", None, None
-                return "error", FenceRejected, FenceReason.EXPIRED
-            run = run_view.run
-            allowed = {
-                "activate": attempt.status is AttemptStatus.CLAIMED
-                and run.status is RunStatus.DISPATCHING,
-                "mark_running": attempt.status is AttemptStatus.STARTING,
-                "renew": not attempt.status.is_terminal,
-                "complete_ok": attempt.status.is_started and run.status is RunStatus.RUNNING,
-                "complete_failed": attempt.status.is_started
-                and run.status is RunStatus.RUNNING,
-                "abandon": not attempt.status.is_terminal,
-            }[command]
-            return ("ok", None, None) if allowed else ("error", InvalidTransition, None)
+        # --- the claim ----------------------------------------------------------------------
 
-        def _settle(self, command: str, held: Held, fence: LeaseFence, before: StoreView,
-                    now: int, expected: tuple[str, type[DomainError] | None,
-                                              FenceReason | None],
-                    got: str) -> tuple[str, type[DomainError] | None, FenceReason | None]:
-            """The expectation to check the command against. A fake clock stands still, so
-            this is always ``expected``. A real database clock moves during the command: when
-            the lease's expiry fell between ``now`` and the clock read after the command, the
-            store may have judged either side of it, so the expectation at the later time is
-            accepted too; nowhere else is a different result tolerated."""
-            if (expected[0] == "error") == (got == "error"):
-                return expected
-            later = self.now()
-            if later == now:
-                return expected
-            run_view = before.runs[held.run_id]
-            attempt = next(a for a in run_view.attempts if a.id == fence.attempt_id)
-            lease = next((x for x in run_view.leases
-                          if x.generation == attempt.lease_generation), None)
-            if lease is None or not now < lease.expires_at_ms <= later:
-                return expected
-            STATS["expiry_raced_clock"] += 1
-            return self._expected(command, held, fence, before, later)
-
-        @precondition(lambda self: bool(self.held))
         @rule(
-            data=st.data(),
-            command=st.sampled_from(["activate", "mark_running", "renew", "complete_ok",
-                                     "complete_failed", "abandon"]),
-            mutation=st.sampled_from([None, None, None, "version", "generation", "token"]),
+            session=sessions,
+            pick=st.integers(0, 63),
+            limit=st.sampled_from([0, 1, 1, 2, 3, 4]),
+            completions=st.lists(st.tuples(PICKS, st.booleans()), max_size=2),
+            pool_of=POOLS,
+            statement=st.sampled_from(["none", "none", "all", "omit"]),
+            omit=st.integers(1, 7),
+            other=st.none() | st.integers(0, 63),
         )
-        def fenced_command(self, data: st.DataObject, command: str,
-                           mutation: str | None) -> None:
-            attempt_id = data.draw(st.sampled_from(sorted(self.held)), label="attempt")
-            self._fenced(attempt_id, command, mutation)
+        def claim(self, session: str, pick: int, limit: int,
+                  completions: list[tuple[tuple[int, bool, str | None], bool]], pool_of: str,
+                  statement: str, omit: int, other: int | None) -> None:
+            """A claim with a limit, with completions riding along (some stale), and with a
+            ``held`` statement: none, all the session holds, or leaving some out (``omit`` as
+            a bit mask), sometimes naming an Attempt it does not hold."""
+            session = self.mostly_open(session, pick)
+            items = self.pick_fences([p for p, _ in completions], session, pool_of)
+            done = [(h, f, ok) for (h, f), (_, ok) in zip(items, completions, strict=False)]
+            before = self.current()
+            held: list[str] | None = None
+            if statement != "none":
+                leased = _held_by(before, session)
+                if statement == "omit":
+                    leased = [a for i, a in enumerate(leased) if not omit >> (i % 3) & 1]
+                held = leased
+                if self.fences and other is not None:
+                    held.append(sorted(self.fences)[other % len(self.fences)])
+            self.do_claim(session, limit, done, held, before)
 
-        @precondition(lambda self: bool(self.held))
-        @rule(data=st.data(), succeed=st.booleans())
-        def progress(self, data: st.DataObject, succeed: bool) -> None:
-            """The natural next command of a held attempt, with its valid fence."""
-            attempt_id = data.draw(st.sampled_from(sorted(self.held)), label="attempt")
-            held = self.held[attempt_id]
-            view = self.view().runs[held.run_id]
-            attempt = next(a for a in view.attempts if a.id == attempt_id)
-            command = {
-                AttemptStatus.CLAIMED: "activate",
-                AttemptStatus.STARTING: "mark_running",
-            }.get(attempt.status, "complete_ok" if succeed else "complete_failed")
-            self._fenced(attempt_id, command, None)
-
-        @precondition(lambda self: bool(self.held))
-        @rule(succeed=st.booleans(), fail_some=st.booleans())
-        def progress_all(self, succeed: bool, fail_some: bool) -> None:
-            """Every held, unfinished attempt takes its natural next step with a valid fence."""
-            view = self.view()
-            for attempt_id in sorted(self.held):
-                held = self.held[attempt_id]
-                attempt = next(a for a in view.runs[held.run_id].attempts if a.id == attempt_id)
-                if attempt.status.is_terminal:
+        @rule(session=sessions, pick=st.integers(0, 63), succeed=st.booleans(),
+              forget=st.sampled_from([0, 0, 0, 1, 2, 5]))
+        def worker_loop(self, session: str, pick: int, succeed: bool, forget: int) -> None:
+            """The common path: the worker completes everything it holds with its current
+            fences, states that it holds nothing else, and asks to fill its slots. Claim
+            answers it never received (``forget``, a bit mask over what the session holds) it
+            neither completes nor states."""
+            session = self.mostly_open(session, pick)
+            before = self.current()
+            leased = _held_by(before, session)
+            completions = []
+            for index, attempt_id in enumerate(leased):
+                if forget >> (index % 3) & 1:
                     continue
-                command = {
-                    AttemptStatus.CLAIMED: "activate",
-                    AttemptStatus.STARTING: "mark_running" if fail_some else "complete_ok",
-                }.get(attempt.status, "complete_ok" if succeed else "abandon")
-                self._fenced(attempt_id, command, None)
+                held = self.fences[attempt_id][-1]
+                completions.append((held, held.fence, succeed))
+            capacity = before.sessions[session].capacity
+            self.do_claim(session, capacity, completions, [], before)
 
-        def _fenced(self, attempt_id: str, command: str, mutation: str | None) -> None:
-            held = self.held[attempt_id]
-            fence = held.fence
-            if mutation == "version":
-                fence = evolve(fence, version=fence.version + 1)
-            elif mutation == "generation":
-                fence = evolve(fence, generation=fence.generation + 1)
-            elif mutation == "token":
-                fence = evolve(fence, token=self.new_token())
-            before = self.view()
+        def do_claim(self, session: str, limit: int,
+                     completions: list[tuple[Held, LeaseFence, bool]],
+                     held: list[str] | None, before: StoreView) -> None:
+            secret = self.secrets[session]
+            requests = [
+                Completion(
+                    fence=fence,
+                    succeeded=ok,
+                    output={"ok": ok} if ok else None,
+                    error=None if ok else "task error",
+                )
+                for _, fence, ok in completions
+            ]
+            status = before.sessions[session].status
             now = self.now()
-            outcome, error, reason = self._expected(command, held, fence, before, now)
-            secret = self.secrets[held.session_id]
-            try:
-                if command == "activate":
-                    self.workers.activate(held.session_id, secret, fence)
-                elif command == "mark_running":
-                    self.workers.mark_running(held.session_id, secret, fence)
-                elif command == "renew":
-                    expires = self.workers.renew(held.session_id, secret, fence)
-                elif command.startswith("complete"):
-                    ok = command == "complete_ok"
-                    self.workers.complete(held.session_id, secret, fence, succeeded=ok,
-                                          output={"ok": ok}, error=None if ok else "task error")
-                else:
-                    result = self.workers.abandon(held.session_id, secret, fence, "stopping")
-            except DomainError as refused:
-                outcome, error, reason = self._settle(command, held, fence, before, now,
-                                                      (outcome, error, reason), "error")
-                STATS[f"{command}:{outcome}:{reason.value if reason else ''}"] += 1
-                assert outcome == "error", f"{command} refused unexpectedly: {refused!r}"
-                assert isinstance(refused, error), (refused, error)  # type: ignore[arg-type]
-                if reason is not None:
-                    assert refused.reason is reason, (refused, reason)  # type: ignore[attr-defined]
-                self.expect_unchanged(before)
-                return
-            outcome, error, reason = self._settle(command, held, fence, before, now,
-                                                  (outcome, error, reason), "ok")
-            STATS[f"{command}:{outcome}:{reason.value if reason else ''}"] += 1
-            assert outcome != "error", f"{command} should have raised {error} {reason}"
-            after = self.view()
-            run_before, run_after = before.runs[held.run_id], after.runs[held.run_id]
-            attempt = next(a for a in run_after.attempts if a.id == attempt_id)
-            lease = next(x for x in run_after.leases if x.generation == fence.generation)
-            old_lease = next(x for x in run_before.leases if x.generation == fence.generation)
-            if command == "activate":
-                assert attempt.status is AttemptStatus.STARTING
-                assert run_after.run.status is RunStatus.RUNNING
-            elif command == "mark_running":
-                assert attempt.status is AttemptStatus.RUNNING
-            elif command == "renew":
-                assert lease.expires_at_ms == expires >= old_lease.expires_at_ms
-                assert lease == evolve(old_lease, expires_at_ms=expires)
-                assert run_after.events == run_before.events
-            elif command.startswith("complete"):
-                ok = command == "complete_ok"
-                assert run_after.run.status is (RunStatus.SUCCEEDED if ok else RunStatus.FAILED)
-                assert lease.status is LeaseStatus.RELEASED
-                assert lease.release_reason is ReleaseReason.COMPLETED
-                assert lease.version == old_lease.version + 1
-            elif outcome == "recorded":
-                assert result.outcome == "recorded"
-                assert len(after.reports[attempt_id]) == len(before.reports[attempt_id]) + 1
-                _only_evidence_added(before, after, held.run_id)
-            else:
-                assert result.outcome == "lost"
-                assert attempt.status is AttemptStatus.LOST
-                assert run_after.run.status is RunStatus.LOST
-                assert lease.release_reason is ReleaseReason.ABANDONED
-                assert lease.version == old_lease.version + 1
-
-        @rule(session=sessions, coin=st.integers(0, 1))
-        def close_session(self, session: str, coin: int) -> None:
-            if coin:
-                return
-            before = self.view()
-            if before.sessions[session].status not in OPEN:
+            if status not in OPEN:
                 try:
-                    self.workers.close(session, self.secrets[session])
+                    self.workers.claim(session, secret, limit=limit, completions=requests,
+                                       held=held)
                 except SessionRejected:
+                    _count("claim:session_gone")
                     self.expect_unchanged(before)
                     return
-                raise AssertionError("a closed session was closed again")
-            self.workers.close(session, self.secrets[session])
-            assert self.view().sessions[session].status is SessionStatus.CLOSED
-
-        @rule(run=runs)
-        def attest_stopped(self, run: str) -> None:
-            before = self.view()
-            attempt = before.runs[run].attempts[-1]
-            if attempt.status.is_terminal:
-                try:
-                    self.workers.attest_stopped(attempt.id, "operator checked the host")
-                except InvalidTransition:
-                    self.expect_unchanged(before)
-                    return
-                raise AssertionError("a terminal attempt was attested")
-            self.workers.attest_stopped(attempt.id, "operator checked the host")
+                raise AssertionError(f"a {status.value} session claimed")
+            answer = self.workers.claim(session, secret, limit=limit, completions=requests,
+                                        held=held)
+            later = self.now()
             after = self.view()
-            assert len(after.reports[attempt.id]) == len(before.reports[attempt.id]) + 1
-            _only_evidence_added(before, after, run)
+            self.check_claim(session, limit, completions, held, before, after, answer, now,
+                             later)
 
-        @rule(run=runs, coin=st.integers(0, 3))
-        def cancel(self, run: str, coin: int) -> None:
-            if coin:  # an operator's cancel is rare; most steps should let work progress
-                return
-            before = self.view()
-            if before.runs[run].run.status.is_terminal:
+        def check_claim(self, session: str, limit: int,
+                        completions: list[tuple[Held, LeaseFence, bool]],
+                        held: list[str] | None, before: StoreView, after: StoreView,
+                        answer: ClaimAnswer, now: int, later: int) -> None:
+            state = before.sessions[session]
+            assert answer.status is state.status
+            self.check_times(answer.now_ms, now, later)
+            assert after.sessions == before.sessions, "a claim changes no session"
+            # 1. the completions, decided as complete_many decides them
+            items = [(h, f) for h, f, _ in completions]
+            touched: set[str] = set()
+            for (h, fence, ok), result in zip(completions, answer.completed, strict=True):
+                touched |= self.check_batch("complete_ok" if ok else "complete_failed",
+                                            session, [(h, fence)], [result], before, after,
+                                            now, later)
+            assert len(answer.completed) == len(items)
+            # 2. what the worker no longer holds: while its lease is live the claim answer
+            # never reached the worker, so it is handed back (in id order); once the lease
+            # expired the statement is recorded as not-running evidence
+            leased = _held_by(before, session)
+            not_held: list[str] = []
+            if held is not None:
+                stated = set(held) | {f.attempt_id for _, f in items}
+                not_held = [a for a in leased if a not in stated]
+            assert list(answer.released) == [a for a in not_held if a in answer.released], (
+                answer.released, leased, held
+            )
+            for attempt_id in not_held:
+                run_id = self.run_of(attempt_id)
+                assert run_id not in touched
+                touched.add(run_id)
+                lease = _locked_lease(before.runs[run_id], _attempt(before.runs[run_id],
+                                                                    attempt_id))
+                assert lease is not None and lease.status is LeaseStatus.LEASED
+                handed_back = attempt_id in answer.released
+                live_now, live_later = lease.expires_at_ms > now, lease.expires_at_ms > later
+                if live_now == live_later:
+                    assert handed_back is live_now, (attempt_id, lease, now)
+                else:
+                    _count("expiry_raced_clock")
+                fence = LeaseFence(attempt_id=attempt_id, generation=lease.generation,
+                                   version=lease.version, token="")
+                outcome = "released" if handed_back else "recorded"
+                self.check_effect(outcome, "claim", fence, session, before, after, now, later)
+                _count(f"claim:not_held:{outcome}")
+            # 3. the grants
+            freed = sum(1 for r in answer.completed if r.ok and r.outcome is not None
+                        and r.outcome.value in ("succeeded", "failed"))
+            freed += len(answer.released)
+            room = min(limit, state.capacity - len(leased) + freed)
+            candidates = {
+                task: sorted(
+                    (rv.attempts[-1] for rv in before.runs.values()
+                     if rv.run.task == task and rv.run.status is RunStatus.QUEUED
+                     and rv.attempts and rv.attempts[-1].is_pristine),
+                    key=lambda a: a.created_at_ms,
+                )
+                for task in state.tasks
+            }
+            grants = answer.grants
+            if limit == 0:
+                expected_no_grant = None
+            elif state.status is not SessionStatus.ACTIVE:
+                expected_no_grant = NoGrant.SESSION_NOT_ACTIVE
+            elif not self.gate.open:
+                expected_no_grant = NoGrant.GATE_CLOSED
+                assert answer.detail == self.gate.reason
+            elif room <= 0:
+                expected_no_grant = NoGrant.NO_CAPACITY
+            else:
+                window = sum(min(limit, len(c)) for c in candidates.values())
+                expected_count = min(room, window)
+                assert len(grants) == expected_count, (len(grants), room, window)
+                expected_no_grant = None if expected_count else NoGrant.NOTHING_QUEUED
+            if expected_no_grant is not None or limit == 0:
+                assert grants == ()
+            assert answer.no_grant is expected_no_grant, (answer.no_grant, expected_no_grant)
+            _count(f"claim:no_grant:{expected_no_grant.value if expected_no_grant else ''}")
+            if grants:
+                self.check_fair(grants, candidates, limit, before)
+            for grant in grants:
+                assert grant.run_id not in touched
+                touched.add(grant.run_id)
+                self.check_granted(grant, session, before, after, now, later)
+                self.fences.setdefault(grant.attempt_id, []).append(
+                    Held(run_id=grant.run_id, session_id=session, fence=grant.fence)
+                )
+                self.ever_claimed[grant.run_id].add(grant.attempt_id)
+                _count("claim:granted")
+            self.check_untouched(before, after, touched)
+
+        def check_fair(self, grants: Sequence[Any], candidates: dict[str, list[Attempt]],
+                       limit: int, before: StoreView) -> None:
+            """Within a task the oldest queued Attempts are taken; across tasks each grant goes
+            to the task with the fewest Attempts in flight (ADR 0003)."""
+            granted = {g.attempt_id for g in grants}
+            picks: dict[str, int] = defaultdict(int)
+            for task, queued in candidates.items():
+                mine = [a for a in queued if a.id in granted]
+                rest = [a for a in queued if a.id not in granted]
+                picks[task] = len(mine)
+                if mine and rest:
+                    assert max(a.created_at_ms for a in mine) <= min(
+                        a.created_at_ms for a in rest
+                    ), "a younger attempt was claimed before an older one of its task"
+            assert sum(picks.values()) == len(grants)
+            in_flight: dict[str, int] = defaultdict(int)
+            for rv in before.runs.values():
+                if any(x.status is LeaseStatus.LEASED for x in rv.leases):
+                    in_flight[rv.run.task] += 1
+            for served, count in picks.items():
+                if not count:
+                    continue
+                for starved, queued in candidates.items():
+                    if picks[starved] < min(limit, len(queued)):
+                        assert in_flight[served] + count - 1 <= (
+                            in_flight[starved] + picks[starved]
+                        ), ("unfair", dict(picks), dict(in_flight))
+
+        def check_granted(self, grant: Any, session: str, before: StoreView,
+                          after: StoreView, now: int, later: int) -> None:
+            """A claim's grant: Run queued -> running, the pristine Attempt running under a new
+            lease bound to the token the answer carries, one ``attempt_started`` event."""
+            rb, ra = before.runs[grant.run_id], after.runs[grant.run_id]
+            attempt_b = rb.attempts[-1]
+            assert attempt_b.id == grant.attempt_id and attempt_b.is_pristine
+            assert rb.run.status is RunStatus.QUEUED
+            previous = max((x.generation for x in rb.leases), default=0)
+            assert (grant.generation, grant.version) == (previous + 1, 1)
+            assert grant.attempt_number == attempt_b.number
+            assert (grant.task, grant.input, grant.idempotency_key) == (
+                rb.run.task, rb.run.input, rb.run.id
+            )
+            assert grant.fence == LeaseFence(attempt_id=grant.attempt_id,
+                                             generation=grant.generation, version=1,
+                                             token=grant.token)
+            lease = _lease(ra, grant.generation)
+            assert lease is not None and list(ra.leases) == [*rb.leases, lease]
+            at = lease.granted_at_ms
+            self.check_times(at, now, later)
+            state = before.sessions[session]
+            assert lease == DispatchLease(
+                run_id=grant.run_id,
+                attempt_id=grant.attempt_id,
+                generation=grant.generation,
+                version=1,
+                status=LeaseStatus.LEASED,
+                holder_session_id=session,
+                token_hash=hash_token(grant.token),
+                expires_at_ms=at + lease_ttl_ms,
+                granted_at_ms=at,
+            )
+            assert grant.expires_at_ms == lease.expires_at_ms
+            assert ra.run == evolve(rb.run, status=RunStatus.RUNNING, updated_at_ms=at)
+            assert list(ra.attempts[:-1]) == list(rb.attempts[:-1])
+            assert ra.attempts[-1] == evolve(
+                attempt_b,
+                status=AttemptStatus.RUNNING,
+                session_id=session,
+                worker_id=state.worker_id,
+                lease_generation=grant.generation,
+                lease_version=1,
+                offered_at_ms=at,
+                accepted_at_ms=at,
+                started_at_ms=at,
+                updated_at_ms=at,
+            )
+            data = _one_event(rb, ra, EventType.ATTEMPT_STARTED, grant.attempt_id)
+            assert data == {"session_id": session, "worker_id": state.worker_id,
+                            "generation": grant.generation}
+
+        # --- the fenced batches -------------------------------------------------------------
+
+        @precondition(lambda self: bool(self.fences))
+        @rule(first=st.integers(0, 63), caller=CALLERS, picks=BATCH, pool_of=POOLS)
+        def renew_batch(self, first: int, caller: int | None, picks: Picks, pool_of: str) -> None:
+            self.fenced_batch("renew", first, caller, picks, pool_of)
+
+        @precondition(lambda self: bool(self.fences))
+        @rule(first=st.integers(0, 63), caller=CALLERS, picks=BATCH, pool_of=POOLS,
+              succeed=st.booleans())
+        def complete_batch(self, first: int, caller: int | None, picks: Picks, pool_of: str,
+                           succeed: bool) -> None:
+            command = "complete_ok" if succeed else "complete_failed"
+            self.fenced_batch(command, first, caller, picks, pool_of)
+
+        @precondition(lambda self: bool(self.fences))
+        @rule(first=st.integers(0, 63), caller=CALLERS, picks=BATCH, pool_of=POOLS)
+        def release_batch(self, first: int, caller: int | None, picks: Picks,
+                          pool_of: str) -> None:
+            self.fenced_batch("release", first, caller, picks, pool_of)
+
+        @precondition(lambda self: bool(self.fences))
+        @rule(first=st.integers(0, 63), caller=CALLERS, picks=BATCH, pool_of=POOLS)
+        def abandon_batch(self, first: int, caller: int | None, picks: Picks,
+                          pool_of: str) -> None:
+            self.fenced_batch("abandon", first, caller, picks, pool_of)
+
+        def fenced_batch(self, command: str, first: int, caller: int | None, picks: Picks,
+                         pool_of: str) -> None:
+            """A batch of up to three items through one session: the holder of a live lease
+            (``caller`` None), or any session, whose items are then mostly another's."""
+            live = sorted(self.live_attempts()) or sorted(self.fences)
+            session = self.fences[live[first % len(live)]][-1].session_id
+            if caller is not None:
+                sessions = sorted(self.secrets)
+                session = sessions[caller % len(sessions)]
+            self.do_batch(command, session, self.pick_fences(picks, session, pool_of))
+
+        def do_batch(self, command: str, caller: str,
+                     items: list[tuple[Held, LeaseFence]]) -> None:
+            secret = self.secrets[caller]
+            fences = [fence for _, fence in items]
+            before = self.current()
+            now = self.now()
+
+            def call() -> BatchAnswer:
+                w = self.workers
+                if command == "renew":
+                    return w.renew_many(caller, secret, fences)
+                if command.startswith("complete"):
+                    ok = command == "complete_ok"
+                    return w.complete_many(caller, secret, [
+                        Completion(fence=f, succeeded=ok, output={"ok": ok} if ok else None,
+                                   error=None if ok else "task error") for f in fences])
+                if command == "release":
+                    return w.release_many(caller, secret, [Release(fence=f) for f in fences])
+                return w.abandon_many(caller, secret,
+                                      [Abandonment(fence=f, detail="stopping") for f in fences])
+
+            gone = before.sessions[caller].status not in OPEN
+            if gone and command != "abandon":
                 try:
-                    self.admission.cancel(run)
+                    call()
+                except SessionRejected:
+                    _count(f"{command}:session_gone")
+                    self.expect_unchanged(before)
+                    return
+                raise AssertionError(f"{command} of a gone session was taken")
+            answer = call()
+            later = self.now()
+            after = self.view()
+            self.check_times(answer.now_ms, now, later)
+            assert after.sessions == before.sessions
+            touched = self.check_batch(command, caller, items, answer.results, before, after,
+                                       now, later)
+            self.check_untouched(before, after, touched)
+
+        # --- the dispatch gate --------------------------------------------------------------
+
+        @rule(reason=st.sampled_from([None, None, *GATE_REASONS]))
+        def gate(self, reason: str | None) -> None:
+            """Close the dispatch gate as the cluster coordinator does when recovery or lost
+            retry fails (``reason``), or open it as step 5 of the cadence alone does."""
+            before = self.current()
+            if reason is None:
+                was_open = self.gate.open
+                report = self.gate_step.run_once()
+                assert report.opened == (0 if was_open else 1)
+                gate = self.store.dispatch_gate()
+                assert gate.open and gate.reason is None
+            else:
+                with self.store.unit_of_work() as uow:
+                    at = uow.now_ms()
+                    uow.gate.set(DispatchGate(open=False, reason=reason, changed_at_ms=at))
+                    uow.commit()
+                gate = self.store.dispatch_gate()
+                assert gate == DispatchGate(open=False, reason=reason, changed_at_ms=at)
+            self.gate = gate
+            self.expect_unchanged(before)
+
+        # --- operators and the cadence ------------------------------------------------------
+
+        @rule(run=runs, action=st.sampled_from(["attest", "attest", "cancel"]))
+        def operator(self, run: str, action: str) -> None:
+            """An operator attests the Run's Attempt stopped, or cancels the Run."""
+            before = self.current()
+            attempt = before.runs[run].attempts[-1]
+            terminal = (attempt.status if action == "attest" else before.runs[run].run.status)
+            if terminal.is_terminal:
+                try:
+                    if action == "attest":
+                        self.workers.attest_stopped(attempt.id, "operator checked the host")
+                    else:
+                        self.admission.cancel(run)
                 except InvalidTransition:
                     self.expect_unchanged(before)
                     return
-                raise AssertionError("a terminal run was cancelled")
-            self.admission.cancel(run)
-            view = self.view().runs[run]
-            assert view.run.status is RunStatus.CANCELLED
-            assert not any(x.status is LeaseStatus.LEASED for x in view.leases)
+                raise AssertionError(f"{action} of a terminal {run} was taken")
+            if action == "attest":
+                self.workers.attest_stopped(attempt.id, "operator checked the host")
+                after = self.view()
+                _one_report_added(before, after, attempt.id, EvidenceKind.OPERATOR_ATTESTED)
+                _only_evidence_added(before, after, run)
+            else:
+                self.admission.cancel(run)
+                after = self.view()
+                view = after.runs[run]
+                assert view.run.status is RunStatus.CANCELLED
+                assert not any(x.status is LeaseStatus.LEASED for x in view.leases)
+                _one_event(before.runs[run], view, EventType.RUN_CANCELLED, view.attempts[-1].id)
+            self.check_untouched(before, after, {run})
 
         @rule(ms=st.sampled_from([1, 200, 1_000, 3_000, lease_ttl_ms + 1, 4 * lease_ttl_ms]))
         def advance_clock(self, ms: int) -> None:
@@ -589,20 +1147,24 @@ def make_machine(
             # between the two reads, by far less than CLOCK_SLACK_MS.
             assert before + ms <= self.now() < before + ms + CLOCK_SLACK_MS
 
-        @rule()
-        def cluster_cycle(self) -> None:
+        @rule(ms=st.sampled_from([0, 0, lease_ttl_ms + 1, 2 * lease_ttl_ms]))
+        def cluster_cycle(self, ms: int) -> None:
+            """The cadence runs, at once or after the workers went quiet past their lease."""
+            if ms:
+                self.advance_clock(ms)
             summary = self.coordinator.run_cycle()
             assert summary.ok, summary.as_dict()
             assert [s.name for s in summary.steps] == list(ClusterSchedulerCoordinator.STEP_NAMES)
+            gate = summary.step("task_attempt_admission")
+            assert gate is not None
+            assert gate.counts.get("gate_opened") == (0 if self.gate.open else 1)
+            self.gate = self.store.dispatch_gate()
+            assert self.gate.open, "a good cycle leaves the gate open"
 
-        @rule(ms=st.sampled_from([lease_ttl_ms + 1, 2 * lease_ttl_ms]))
-        def expire_and_cycle(self, ms: int) -> None:
-            """Workers go quiet past their lease; the cadence runs."""
-            self.advance_clock(ms)
-            self.cluster_cycle()
-
-        @rule()
-        def restart(self) -> None:
+        @rule(coin=st.integers(0, 3))
+        def restart(self, coin: int) -> None:
+            if coin:  # a node restarts now and then
+                return
             report = self.startup.run()
             assert report.orphans_queued == 0  # admission never leaves created orphans
 
@@ -617,13 +1179,15 @@ def make_machine(
             STATS["max_attempts_seen"] = max(
                 [STATS["max_attempts_seen"], *(len(rv.attempts) for rv in view.runs.values())]
             )
+            assert self.store.dispatch_gate() == self.gate
             previous = self.previous
+            leased_by_session: dict[str, int] = defaultdict(int)
             for run_id, rv in view.runs.items():
                 run, attempts, leases = rv.run, rv.attempts, rv.leases
                 # attempt numbers contiguous 1..N
                 assert [a.number for a in attempts] == list(range(1, len(attempts) + 1))
                 assert run.attempt_count == len(attempts)
-                # at most one non-terminal attempt
+                # at most one non-terminal attempt, the latest
                 live = [a for a in attempts if not a.status.is_terminal]
                 assert len(live) <= 1
                 if live:
@@ -634,15 +1198,40 @@ def make_machine(
                 for lease in leased:
                     assert live and lease.attempt_id == live[0].id
                     assert live[0].lease_generation == lease.generation
-                # lost/succeeded/failed attempts hold no leased lease
+                    assert live[0].status is AttemptStatus.RUNNING
+                    assert live[0].session_id == lease.holder_session_id
+                    leased_by_session[lease.holder_session_id] += 1
+                # generations are 1..N, one lease row each
+                assert [x.generation for x in leases] == list(range(1, len(leases) + 1))
+                # a queued run's attempt is pristine, and only a queued run has a pristine one
+                pristine = bool(attempts) and attempts[-1].is_pristine
+                assert pristine == (run.status is RunStatus.QUEUED), (run, attempts)
                 for attempt in attempts:
-                    if attempt.status in LOSSY:
+                    # a finished attempt holds no leased lease
+                    if attempt.status in TERMINAL_ATTEMPT_STATUSES:
                         assert not any(x.attempt_id == attempt.id for x in leased)
+                    # an Attempt without a lease generation holds no leased lease
+                    if attempt.lease_generation is None:
+                        assert not any(x.attempt_id == attempt.id for x in leased)
+                # a handed-back lease's Attempt no longer holds it: after the release the
+                # Attempt is pristine, or a later claim gave it a newer generation
+                for lease in leases:
+                    if lease.release_reason is ReleaseReason.HANDED_BACK:
+                        holder = _attempt(rv, lease.attempt_id)
+                        assert (holder.lease_generation or 0) != lease.generation
+                        assert holder.lease_generation is None or (
+                            holder.lease_generation > lease.generation
+                        )
+                # a released attempt is pristine and its run queued
+                if rv.events and rv.events[-1][1] == EventType.ATTEMPT_RELEASED.value:
+                    assert run.status is RunStatus.QUEUED
+                    assert attempts[-1].id == rv.events[-1][2] and attempts[-1].is_pristine
                 # a started attempt that became lost has evidence in its event
                 for attempt in attempts:
                     if attempt.status is AttemptStatus.LOST and attempt.started_at_ms is not None:
-                        lost = [e for e in rv.events
-                                if e[1] == "attempt_lost" and e[2] == attempt.id]
+                        lost = [
+                            e for e in rv.events if e[1] == "attempt_lost" and e[2] == attempt.id
+                        ]
                         assert len(lost) == 1 and "evidence" in lost[0][3], lost
                         assert attempt.lost_evidence is not None
                 # retry_wait only for declared-safe policies with attempts left
@@ -656,10 +1245,11 @@ def make_machine(
                     key = (run_id, lease.generation)
                     assert lease.version >= self.max_version.get(key, 0)
                     self.max_version[key] = lease.version
-                # every change writes exactly one event: the stream replays to the state
-                status, attempt_statuses = _replay_statuses(list(rv.events))
+                # every change writes exactly one event: the stream replays to the state, each
+                # event a change, and a step that changed a run appended to its stream
+                status, replayed = _replay(rv.events)
                 assert status is run.status
-                assert attempt_statuses == {a.id: a.status for a in attempts}
+                assert replayed == {a.id: (a.status, a.is_pristine) for a in attempts}
                 old = previous.runs.get(run_id) if previous else None
                 if old is not None:
                     new_events = len(rv.events) - len(old.events)
@@ -676,13 +1266,24 @@ def make_machine(
                         assert rv.events == old.events
                 elif previous is not None:
                     assert rv.events[0][1] == "run_admitted"
-                # an unsafe run is never executed by two attempts
+                # an unsafe run is never executed by two attempts; every claim started one
                 for attempt in attempts:
                     if attempt.started_at_ms is not None:
-                        self.ever_started[run_id].add(attempt.id)
+                        assert attempt.id in self.ever_claimed[run_id], "started unclaimed"
+                claimed = self.ever_claimed[run_id]
+                assert claimed <= {a.id for a in attempts}
                 if not retry_safe(run.policy):
-                    assert len(self.ever_started[run_id]) <= 1
+                    assert len(claimed) <= 1
                     assert len(attempts) == 1
+            # a session never holds more leased leases than its capacity
+            for session_id, count in leased_by_session.items():
+                assert count <= view.sessions[session_id].capacity, (session_id, count)
+            for session_id in view.sessions:
+                assert _held_by(view, session_id) == sorted(self.held_by(session_id))
             self.previous = view
+
+        def held_by(self, session_id: str) -> list[str]:
+            with self.store.unit_of_work() as uow:
+                return list(uow.sessions.held_by(session_id))
 
     return RuntimeMachine

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import run_state_machine_as_test
 
@@ -21,6 +22,8 @@ def memory_store_factory():  # type: ignore[no-untyped-def]
 MemoryRuntimeMachine = make_machine(memory_store_factory)
 
 
+# Shrinking a failing sequence takes far longer than a passing run.
+@pytest.mark.timeout(1_800)
 def test_memory_store_keeps_every_design_invariant() -> None:
     STATS.clear()
     started = time.monotonic()

@@ -29,6 +29,8 @@ def pg_store(pg_database_url: str) -> Iterator[object]:
         store.close()
 
 
+# Shrinking a failing sequence takes far longer than a passing run.
+@pytest.mark.timeout(1_800)
 def test_postgres_store_keeps_every_design_invariant(pg_store) -> None:  # type: ignore[no-untyped-def]
     def factory():  # type: ignore[no-untyped-def]
         pg_store.testing_reset()

@@ -30,6 +30,8 @@ def sqlite_store(tmp_path: Path) -> Iterator[SqliteStore]:
         store.close()
 
 
+# Shrinking a failing sequence takes far longer than a passing run.
+@pytest.mark.timeout(1_800)
 def test_sqlite_store_keeps_every_design_invariant(sqlite_store: SqliteStore) -> None:
     def factory():  # type: ignore[no-untyped-def]
         sqlite_store.testing_reset()

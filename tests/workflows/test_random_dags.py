@@ -53,7 +53,7 @@ def test_random_dags_complete_in_a_topological_order_with_each_step_run_once(
     @given(document=dags(), data=st.data())
     def check(document: dict[str, Any], data: st.DataObject) -> None:
         # Hypothesis may stop an example half-way: each example has a task and a worker of
-        # its own, so what an earlier one left running takes no capacity and no offer here.
+        # its own, so what an earlier one left running takes no capacity and no claim here.
         task = f"t{next(numbers)}"
         worker = WorkerDriver.register(rt.workers, f"w-{task}", [task], capacity=64)
         for step in document["steps"]:
@@ -61,16 +61,16 @@ def test_random_dags_complete_in_a_topological_order_with_each_step_run_once(
         workflow_id = rt.workflows.submit(document)
         after = {step["id"]: step["after"] for step in document["steps"]}
         clock = 0
-        offered: dict[str, int] = {}
+        claimed: dict[str, int] = {}
         finished: dict[str, int] = {}
         running: dict[str, str] = {}
         for _ in range(4 * len(after) + 4):
             assert rt.cycle().ok
-            for offer in worker.start_all():
-                step = offer.input["step"]  # type: ignore[index]
-                assert step not in offered, f"step {step} offered twice"
-                offered[step] = clock = clock + 1
-                running[offer.run_id] = step
+            for grant in worker.claim_all():
+                step = grant.input["step"]  # type: ignore[index]
+                assert step not in claimed, f"step {step} claimed twice"
+                claimed[step] = clock = clock + 1
+                running[grant.run_id] = step
             if rt.run(workflow_id).status.is_terminal:
                 break
             assert running, "nothing runs and the workflow is not finished"
@@ -88,7 +88,7 @@ def test_random_dags_complete_in_a_topological_order_with_each_step_run_once(
         assert set(finished) == set(after)
         for step, predecessors in after.items():
             for before in predecessors:
-                assert finished[before] < offered[step], (before, step)
+                assert finished[before] < claimed[step], (before, step)
         # The store's own audit agrees: a step is admitted after its predecessors succeeded.
         views = {v.step.step_id: v for v in rt.workflows.steps(workflow_id)}
         with store.unit_of_work() as uow:

@@ -92,11 +92,11 @@ def test_a_diamond_runs_each_step_once_after_its_predecessors(
     for expected in (["extract"], ["left", "right"], ["load"]):
         summary = rt.cycle()
         assert summary.ok
-        taken = worker.start_all()
-        assert sorted(_step_of(rt, workflow_id, o.run_id) for o in taken) == expected
-        for offer in taken:
-            step = _step_of(rt, workflow_id, offer.run_id)
-            worker.finish(offer.run_id, output={"step": step})
+        taken = worker.claim_all()
+        assert sorted(_step_of(rt, workflow_id, g.run_id) for g in taken) == expected
+        for grant in taken:
+            step = _step_of(rt, workflow_id, grant.run_id)
+            worker.finish(grant.run_id, output={"step": step})
     assert rt.cycle().step("workflow_frontier").counts["succeeded"] == 1
 
     aggregate = rt.run(workflow_id)
@@ -137,10 +137,10 @@ def test_a_failed_step_fails_the_workflow_and_cancels_the_steps_not_started(
     )
     worker = WorkerDriver.register(rt.workers, "w1", ["t"])
     rt.cycle()
-    (a,) = worker.start_all()
+    (a,) = worker.claim_all()
     worker.finish(a.run_id)
     rt.cycle()  # b and c admitted; only b has a worker
-    (b,) = worker.start_all()
+    (b,) = worker.claim_all()
     worker.finish(b.run_id, succeeded=False, error="disk full")
 
     summary = rt.cycle()
@@ -172,7 +172,7 @@ def test_a_running_step_finishes_after_its_workflow_failed(
     )
     worker = WorkerDriver.register(rt.workers, "w1", ["t"], capacity=2)
     rt.cycle()
-    taken = {_step_of(rt, workflow_id, o.run_id): o for o in worker.start_all()}
+    taken = {_step_of(rt, workflow_id, g.run_id): g for g in worker.claim_all()}
     assert sorted(taken) == ["a", "b"]
     worker.finish(taken["a"].run_id, succeeded=False, error="boom")
 
@@ -220,7 +220,7 @@ def test_the_aggregate_is_never_recovered_or_retried_and_a_lost_step_is_retried_
     )
     first = WorkerDriver.register(rt.workers, "w1", ["t"])
     rt.cycle()
-    (lost,) = first.start_all()
+    (lost,) = first.claim_all()
     rt.workers.close(first.session_id, first.secret)  # the worker is gone: evidence
     advance(round(TTL_S * 1000) + 1_000)
 
@@ -234,11 +234,11 @@ def test_the_aggregate_is_never_recovered_or_retried_and_a_lost_step_is_retried_
     assert rt.run(workflow_id).status is RunStatus.RUNNING
     second = WorkerDriver.register(rt.workers, "w2", ["t"])
     rt.cycle()
-    (retried,) = second.start_all()
+    (retried,) = second.claim_all()
     assert retried.run_id == lost.run_id and retried.attempt_number == 2
     second.finish(retried.run_id)
     rt.cycle()
-    (b,) = second.start_all()
+    (b,) = second.claim_all()
     second.finish(b.run_id)
     rt.cycle()
     assert rt.run(workflow_id).status is RunStatus.SUCCEEDED
