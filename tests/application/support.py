@@ -103,13 +103,48 @@ def build_services(
     )
 
 
+class BatchesOfOne:
+    """Every fenced command is a batch; these send a batch of one and return its one result.
+    A test worker provides ``workers``, ``session_id`` and ``secret``."""
+
+    workers: WorkerCommands
+    session_id: str
+    secret: str
+
+    def complete(
+        self,
+        fence: LeaseFence,
+        *,
+        succeeded: bool = True,
+        output: JsonValue = None,
+        error: str | None = None,
+    ) -> ItemResult:
+        done = Completion(fence=fence, succeeded=succeeded, output=output, error=error)
+        return only(self.workers.complete_many(self.session_id, self.secret, [done]))
+
+    def renew(self, fence: LeaseFence) -> ItemResult:
+        return only(self.workers.renew_many(self.session_id, self.secret, [fence]))
+
+    def abandon(self, fence: LeaseFence, detail: str = "") -> ItemResult:
+        stopped = Abandonment(fence=fence, detail=detail)
+        return only(self.workers.abandon_many(self.session_id, self.secret, [stopped]))
+
+    def release(self, fence: LeaseFence, cause: str = "not_started") -> ItemResult:
+        back = Release(fence=fence, cause=cause)
+        return only(self.workers.release_many(self.session_id, self.secret, [back]))
+
+
 @dataclass
-class Worker:
+class Worker(BatchesOfOne):
     """A worker process as the tests drive it: one session and the fences it holds."""
 
     services: Services
     grant: SessionGrant
     fences: dict[str, LeaseFence] = field(default_factory=dict)
+
+    @property
+    def workers(self) -> WorkerCommands:  # type: ignore[override]
+        return self.services.workers
 
     @property
     def session_id(self) -> str:
@@ -140,30 +175,6 @@ class Worker:
     def take_all(self, limit: int = 16) -> list[LeaseFence]:
         """Claim (and so start) as much as the session may take."""
         return [grant.fence for grant in self.grants(limit)]
-
-    # Every fenced command is a batch; these send a batch of one and return its one result.
-
-    def complete(
-        self,
-        fence: LeaseFence,
-        *,
-        succeeded: bool = True,
-        output: JsonValue = None,
-        error: str | None = None,
-    ) -> ItemResult:
-        done = Completion(fence=fence, succeeded=succeeded, output=output, error=error)
-        return only(self.services.workers.complete_many(self.session_id, self.secret, [done]))
-
-    def renew(self, fence: LeaseFence) -> ItemResult:
-        return only(self.services.workers.renew_many(self.session_id, self.secret, [fence]))
-
-    def abandon(self, fence: LeaseFence, detail: str = "") -> ItemResult:
-        stopped = Abandonment(fence=fence, detail=detail)
-        return only(self.services.workers.abandon_many(self.session_id, self.secret, [stopped]))
-
-    def release(self, fence: LeaseFence, cause: str = "not_started") -> ItemResult:
-        back = Release(fence=fence, cause=cause)
-        return only(self.services.workers.release_many(self.session_id, self.secret, [back]))
 
 
 def only(answer: BatchAnswer) -> ItemResult:

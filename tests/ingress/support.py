@@ -20,18 +20,13 @@ from adapters.sql.schema import ALL_TABLES
 from application.admission import Admission
 from application.recovery import RuntimeRecovery
 from application.worker_commands import (
-    Abandonment,
-    BatchAnswer,
     ClaimAnswer,
     Completion,
-    ItemResult,
-    Release,
     SessionGrant,
     WorkerCommands,
 )
 from domain.fence import LeaseFence
-from domain.model import JsonValue
-from tests.application.support import CountingIdentities
+from tests.application.support import BatchesOfOne, CountingIdentities
 from tests.postgres_server import connect
 
 LEASE_TTL_MS = 30_000
@@ -122,18 +117,17 @@ def build_env(admin: PostgresStore, ingress: PostgresIngressStore) -> Env:
     )
 
 
-def only(answer: BatchAnswer) -> ItemResult:
-    (result,) = answer.results
-    return result
-
-
 @dataclass
-class Worker:
+class Worker(BatchesOfOne):
     """One worker session, driven through the ingress store, and the fences it holds."""
 
     env: Env
     grant: SessionGrant
     fences: dict[str, LeaseFence] = field(default_factory=dict)
+
+    @property
+    def workers(self) -> WorkerCommands:  # type: ignore[override]
+        return self.env.workers
 
     @property
     def session_id(self) -> str:
@@ -161,28 +155,6 @@ class Worker:
     def take_all(self, limit: int = 16) -> list[LeaseFence]:
         """Claim (and so start) as much as the session may take."""
         return [grant.fence for grant in self.claim(limit).grants]
-
-    def complete(
-        self,
-        fence: LeaseFence,
-        *,
-        succeeded: bool = True,
-        output: JsonValue = None,
-        error: str | None = None,
-    ) -> ItemResult:
-        done = Completion(fence=fence, succeeded=succeeded, output=output, error=error)
-        return only(self.env.workers.complete_many(self.session_id, self.secret, [done]))
-
-    def renew(self, fence: LeaseFence) -> ItemResult:
-        return only(self.env.workers.renew_many(self.session_id, self.secret, [fence]))
-
-    def abandon(self, fence: LeaseFence, detail: str = "") -> ItemResult:
-        stopped = Abandonment(fence=fence, detail=detail)
-        return only(self.env.workers.abandon_many(self.session_id, self.secret, [stopped]))
-
-    def release(self, fence: LeaseFence, cause: str = "not_started") -> ItemResult:
-        back = Release(fence=fence, cause=cause)
-        return only(self.env.workers.release_many(self.session_id, self.secret, [back]))
 
 
 def register(
