@@ -394,7 +394,10 @@ class PostgresRunRepository(SqlRunRepository[PostgresUnitOfWork]):
         # port's promise), so a savepoint would buy nothing for its two round trips.
         try:
             with _conflicts_translated(what):
-                result = uow.execute_sql(hot.apply_many_sql(), batch.params, "apply changes")[0]
+                result = uow.execute_pipelined(
+                    [(hot.INDEX_PLANS_SQL, {}), (hot.apply_many_sql(), batch.params)],
+                    "apply changes",
+                )[-1][0]
         except ConcurrencyConflict:
             uow.break_transaction(f"{what} refused")
             raise

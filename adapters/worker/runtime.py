@@ -214,11 +214,13 @@ class Worker:
                     self._client.close()
                     log.info(
                         "session %s drained and closed (%d completed, %d abandoned, "
-                        "%d handed back)",
+                        "%d handed back; %d claims, %d other calls)",
                         self.session_id,
                         self.completed,
                         self.abandoned,
                         self.released,
+                        self.claimer.claims if self.claimer else 0,
+                        self._client.other_calls,
                     )
                     return 0
             except (IngressRefused, IngressUnavailable) as error:

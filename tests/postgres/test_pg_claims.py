@@ -337,13 +337,14 @@ def test_a_claim_with_completions_and_grants_is_four_round_trips_and_one_write(
     )
     assert [r.ok for r in answer.completed] == [True] * 8 and len(answer.grants) == 8
     # One statement each: the session with the clock (authentication), the completed Attempts'
-    # locks, the claim's locks (two statements in one round trip), and every write together.
+    # locks, the claim's locks (two statements in one round trip), and every write together
+    # (behind the setting that keeps its plan on the keys' indexes, in the same round trip).
     assert log.core == []
     assert log.hot == [
         ("get session", 1),
         ("lock attempts", 1),
         ("lock for claim", 2),
-        ("apply changes", 1),
+        ("apply changes", 2),
     ]
     with store.unit_of_work() as uow:
         for grant in first.grants:
@@ -366,7 +367,7 @@ def test_a_claim_alone_reads_the_clock_with_the_session(
     answer = commands.claim(session.session_id, session.secret, limit=8)
     assert len(answer.grants) == 2
     assert log.core == []
-    assert log.hot == [("get session", 1), ("lock for claim", 2), ("apply changes", 1)]
+    assert log.hot == [("get session", 1), ("lock for claim", 2), ("apply changes", 2)]
     with store.unit_of_work() as uow:
         now = uow.now_ms()
         (lease,) = uow.runs.leases_of(answer.grants[0].run_id)

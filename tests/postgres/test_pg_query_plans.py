@@ -6,9 +6,11 @@ exact statements the store runs are EXPLAINed: none may scan ``runs``, ``run_att
 ``run_dispatch_leases`` sequentially, each must stay below a fixed cost bound far under the cost
 of reading the history, and each must cost about what it costs with no history at all.
 
-The claim's two statements (``hot.lock_session_sql`` and ``hot.claim_sql``) are EXPLAINed as the
-driver runs them, with their parameters; the claim's candidates must come from the index of
-claimable Runs in queue order, not from a sort of every queued Run.
+The claim's two statements (``hot.lock_session_sql`` and ``hot.claim_sql``) and the batch of
+writes (``hot.apply_many_sql``) are EXPLAINed as the driver runs them, with their parameters; the
+claim's candidates must come from the index of claimable Runs in queue order, not from a sort of
+every queued Run. The batch's absolute cost is not bounded (each of its record sets is priced at
+100 rows), only its growth with the history.
 """
 
 from __future__ import annotations
@@ -92,11 +94,22 @@ QUERIES: dict[str, Callable[[], Any]] = {
 }
 # The claim's statements as the store sends them: SQL text and driver parameters.
 _CLAIM_PARAMS = hot.claim_params("s1", ["mail", "report"], 16, 0)
+# A batch of writes (two Runs, their Attempts and leases) as the claim and completions send it:
+# the rows are found through the keys' indexes, never by a scan hashed against the batch.
+_BATCH = hot.ApplyMany()
+for _n in (5, 6):
+    _BATCH.add("runs", {"id": f"hist-{_n}"})
+    _BATCH.add("attempts", {"id": f"hist-{_n}-1"})
+    _BATCH.add("leases", {"run_id": f"hist-{_n}", "generation": 1})
 DRIVER_QUERIES: dict[str, tuple[str, dict[str, Any]]] = {
     "lock_session": (hot.lock_session_sql(), _CLAIM_PARAMS),
     "claim": (hot.claim_sql(), _CLAIM_PARAMS),
+    "apply_many": (hot.apply_many_sql(), _BATCH.params),
 }
 ALL_QUERIES = sorted([*QUERIES, *DRIVER_QUERIES])
+# The planner prices each JSON record set of a batch at 100 rows, whatever the batch holds: the
+# batch's absolute cost says nothing about the history, only its growth with it does.
+BOUNDED_QUERIES = [name for name in ALL_QUERIES if name != "apply_many"]
 
 LOAD_HISTORY = [
     """
@@ -286,6 +299,13 @@ def test_no_sequential_scan_of_the_history(plans: Plans, name: str) -> None:
 
 
 @pytest.mark.parametrize("name", ALL_QUERIES)
+def test_cost_does_not_grow_with_the_history(plans: Plans, name: str) -> None:
+    # Ten times the history, (about) the same cost: nothing reads the finished rows.
+    cost = float(plans.loaded[name]["Total Cost"])
+    assert cost <= float(plans.small[name]["Total Cost"]) * GROWTH_BOUND
+
+
+@pytest.mark.parametrize("name", BOUNDED_QUERIES)
 def test_cost_stays_bounded_with_history(plans: Plans, name: str) -> None:
     cost = float(plans.loaded[name]["Total Cost"])
     small = float(plans.small[name]["Total Cost"])
@@ -298,8 +318,6 @@ def test_cost_stays_bounded_with_history(plans: Plans, name: str) -> None:
     assert cost < COST_BOUND
     assert cost < plans.full_scan / 10
     assert cost <= max(empty, 1.0) * COST_RATIO_BOUND
-    # Ten times the history, (about) the same cost: nothing reads the finished rows.
-    assert cost <= small * GROWTH_BOUND
 
 
 def test_the_sources_find_the_live_candidates_among_the_history(plans: Plans) -> None:
