@@ -15,6 +15,10 @@ checkouts are reported separately (``checkouts_per_cycle``), since each of them 
 extra round trips (the pool's check of a connection at checkout sends nothing).
 
 Targets: ``queries_per_cycle`` <= 6 and ``ratio = median_ms_large / median_ms_empty`` <= 1.5.
+
+Then what idle processes write (:mod:`benchmarks.idle_writes`), each watched ``--idle-seconds``:
+an idle ``ql3 standalone`` process (``standalone_writes_per_min``, target 0) and one node with
+four idle workers (``cluster_commits_per_min``, target <= 30; ``cluster_wal_bytes_per_min``).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from typing import Any
 import psycopg
 from sqlalchemy import event
 
+from benchmarks import idle_writes
 from benchmarks.common import (
     BenchmarkError,
     Stopwatch,
@@ -64,6 +69,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object last")
     parser.add_argument("--finished", type=positive_int, default=1_000_000, metavar="N")
     parser.add_argument("--cycles", type=positive_int, default=200, metavar="N")
+    parser.add_argument(
+        "--idle-seconds",
+        type=positive_int,
+        default=60,
+        metavar="S",
+        help="how long the idle Standalone process and the idle cluster are watched",
+    )
 
 
 # --- seeding -----------------------------------------------------------------------------------
@@ -340,6 +352,15 @@ def main(args: argparse.Namespace, admin: str) -> int:
         counts = check_seed(url, args.finished)
         say(f"idle: seeded in {seed_s:.1f}s, VACUUM ANALYZE {vacuum_s:.1f}s; {args.cycles} cycles")
         large = measure_cycles(url, args.cycles)
+    say(f"idle: an idle standalone process, {args.idle_seconds}s")
+    standalone = idle_writes.standalone_writes(args.idle_seconds)
+    with migrated_database(admin, "ql3_bench_idle_cluster") as url:
+        say(f"idle: a node and {idle_writes.WORKERS} idle workers, {args.idle_seconds}s")
+        cluster = idle_writes.cluster_commits(admin, url, args.idle_seconds)
+    writes_ok = (
+        standalone["standalone_writes_per_min"] <= idle_writes.TARGET_STANDALONE_WRITES
+        and cluster["cluster_commits_per_min"] <= idle_writes.TARGET_CLUSTER_COMMITS
+    )
     queries = max(empty["queries"], large["queries"])
     ratio = large["median_ms"] / empty["median_ms"]
     result: dict[str, Any] = {
@@ -359,9 +380,14 @@ def main(args: argparse.Namespace, admin: str) -> int:
         "event_rows": counts["run_events"],
         "seed_fk_checked_per_row": fk_checked,
         "peak_rss_mb": peak_rss_mb(),
+        **standalone,
+        **cluster,
+        "idle_seconds": args.idle_seconds,
         "target_queries_per_cycle": TARGET_QUERIES,
         "target_ratio": TARGET_RATIO,
-        "meets_targets": queries <= TARGET_QUERIES and ratio <= TARGET_RATIO,
+        "target_standalone_writes_per_min": idle_writes.TARGET_STANDALONE_WRITES,
+        "target_cluster_commits_per_min": idle_writes.TARGET_CLUSTER_COMMITS,
+        "meets_targets": queries <= TARGET_QUERIES and ratio <= TARGET_RATIO and writes_ok,
         "total_seconds": round(total.seconds(), 1),
     }
     print_table(
@@ -381,6 +407,23 @@ def main(args: argparse.Namespace, admin: str) -> int:
             ("median_ms_empty", result["median_ms_empty"], f"p90 {result['p90_ms_empty']}"),
             ("median_ms_large", result["median_ms_large"], f"p90 {result['p90_ms_large']}"),
             ("ratio", result["ratio"], f"large / empty; target <= {TARGET_RATIO}"),
+            (
+                "standalone_writes_per_min",
+                result["standalone_writes_per_min"],
+                f"write calls of an idle ql3 standalone ({result['standalone_write_bytes_per_min']}"
+                f" bytes/min); target <= {idle_writes.TARGET_STANDALONE_WRITES}",
+            ),
+            (
+                "cluster_commits_per_min",
+                result["cluster_commits_per_min"],
+                f"1 node + {idle_writes.WORKERS} idle workers;"
+                f" target <= {idle_writes.TARGET_CLUSTER_COMMITS}",
+            ),
+            (
+                "cluster_wal_bytes_per_min",
+                result["cluster_wal_bytes_per_min"],
+                "the server's WAL, whatever else it served meanwhile",
+            ),
             ("total_seconds", result["total_seconds"], ""),
         ],
     )

@@ -75,7 +75,7 @@ def open_ingress_store(database_url: str, ingress_database_url: str | None, pool
 
 
 def heartbeat_interval_ms(lease_ttl_s: float) -> int:
-    """How often a worker renews and heartbeats: a third of the lease TTL."""
+    """How often a worker heartbeats: once per lease TTL (ADR 0013)."""
     return default_heartbeat_interval_ms(seconds_to_ms(lease_ttl_s))
 
 

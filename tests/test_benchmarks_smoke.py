@@ -94,11 +94,19 @@ def test_recovery_benchmark_reports_throughput_against_pgbench(pg_server: Postgr
 
 def test_idle_benchmark_reports_queries_and_median_cycle_times(pg_server: PostgresServer) -> None:
     before = _bench_databases(pg_server)
-    done = _run(["idle", "--finished", "2000", "--cycles", "10", "--json"], pg_server.admin_url)
+    done = _run(
+        ["idle", "--finished", "2000", "--cycles", "10", "--idle-seconds", "2", "--json"],
+        pg_server.admin_url,
+    )
     result = _last_json(done)
     _positive_numbers(result, ("queries_per_cycle", "median_ms_empty", "median_ms_large", "ratio"))
     assert isinstance(result["queries_per_cycle"], int)
     assert result["finished"] == 2000
+    # An idle Standalone process writes nothing; the cluster's figures are read off the server.
+    assert result["standalone_writes_per_min"] == 0
+    assert result["standalone_write_bytes_per_min"] == 0
+    assert result["cluster_commits_per_min"] >= 0 and result["cluster_wal_bytes_per_min"] >= 0
+    assert (result["idle_seconds"], result["cluster_workers"]) == (2, 4)
     table = done.stdout.strip().splitlines()[:-1]
     assert any(line.startswith("queries_per_cycle") for line in table), done.stdout
     assert _bench_databases(pg_server) == before, "the benchmark left databases behind"

@@ -41,8 +41,10 @@ Lifespan = Callable[[FastAPI], AbstractAsyncContextManager[None]]
 
 
 def default_heartbeat_interval_ms(lease_ttl_ms: int) -> int:
-    """A third of the lease TTL: two renewals may fail before a lease expires."""
-    return max(MIN_HEARTBEAT_INTERVAL_MS, lease_ttl_ms // 3)
+    """One lease TTL: how often a session records that its worker lives. No decision reads
+    that record (leases and evidence do, ADR 0013), so it costs one commit per worker and TTL;
+    renewals keep their own schedule (a third of the TTL)."""
+    return max(MIN_HEARTBEAT_INTERVAL_MS, lease_ttl_ms)
 
 
 def create_app(

@@ -89,7 +89,7 @@ class RegisterResponse(BaseModel):
     secret: str = Field(description="Send as `Authorization: Bearer <secret>` on every call.")
     replaced_session_ids: list[str]
     lease_ttl_ms: int
-    heartbeat_interval_ms: int = Field(description="How often to renew and heartbeat.")
+    heartbeat_interval_ms: int = Field(description="How often to heartbeat (once per lease TTL).")
     now_ms: int = Field(description="The store's clock.")
 
 

@@ -27,8 +27,10 @@ Loop
       when something may be queued for it (after boot, a wake-up, a cycle that queued work, or a
       claim that filled its whole limit) and it has free capacity. Finished tasks otherwise
       complete with ``complete_many``.
-    - Leases of running Attempts are renewed (``renew_many``) every third of the TTL; the
-      session's heartbeat (``poll``) rides a cycle at most that often.
+    - Leases of running Attempts are renewed (``renew_many``) every third of the TTL. The
+      session sends no heartbeat: the process owns the database (the exclusive lock), so its
+      liveness concerns nobody else and a restart replaces its session; an idle process writes
+      nothing (ADR 0013).
     - The cadence (:class:`adapters.standalone.steps.StandaloneCoordinator`: due retries,
       trigger schedule, workflow frontier, task attempt admission, the dispatch gate step) runs
       on the resident cadence, when a due time the store names is reached, and after wake-ups
@@ -167,7 +169,6 @@ class _Schedule:
     retry_failed: float | None = None
     claim_due: bool = True
     call_retry_at: float | None = None
-    last_heartbeat_at: float = 0.0
     due_at_ms: dict[str, int] = field(default_factory=dict)
 
 
@@ -240,7 +241,6 @@ class StandaloneRunner:
                 self.settings.worker_id, self.settings.capacity, self._pool.task_names
             )
             self._grant = grant
-            self._schedule.last_heartbeat_at = time.monotonic()
             report = self._startup.run()
             second_pass = self._schedule_second_pass()
         except BaseException:
@@ -341,7 +341,6 @@ class StandaloneRunner:
                 )
                 self._schedule_second_pass()
                 schedule.claim_due = True
-            self._heartbeat(now)
             summary = self._coordinator.run_cycle()
             self.last_summary = summary
             if not summary.ok:
@@ -360,16 +359,6 @@ class StandaloneRunner:
         except Exception as error:  # the database stayed locked, and the like: try again soon
             self._emit(f"cycle failed: {describe_error(error)}")
             schedule.retry_failed = time.monotonic() + RETRY_FAILED_CYCLE_S
-
-    def _heartbeat(self, now: float) -> None:
-        """Liveness of the session, at most once per renewal interval (a claim says nothing
-        about it)."""
-        schedule = self._schedule
-        if now - schedule.last_heartbeat_at < self._renew_every():
-            return
-        grant = self._require_session()
-        self._commands.poll(grant.session_id, grant.secret)
-        schedule.last_heartbeat_at = now
 
     # --- claims and completions -------------------------------------------------------------------
 

@@ -174,7 +174,6 @@ class Ledger:
         self.failure: BaseException | None = None
         self.probe_s = 1.0  # how often a RECORDED entry's lease is probed
         self.claim_sent_at: float | None = None  # a claim is in flight, sent then
-        self.last_answer_at: float | None = None  # when a claim was last answered
         self.claimer_done = False
         self.completed = 0
         self.abandoned = 0
@@ -352,7 +351,6 @@ class Ledger:
         now = time.monotonic()
         with self.changed:
             self.claim_sent_at = None
-            self.last_answer_at = now
             for held in plan.completions:
                 self._settle_completion(held, result.completed.get(held.attempt_id), now)
             if result.released:

@@ -12,7 +12,8 @@ waits behind a claim parked at the node:
 - **renewals** of every held lease in one batch, once the first of them has less than two
   thirds of the TTL left, and probes of the leases whose abandon was only recorded (see
   :mod:`.ledger`);
-- a **heartbeat** when no claim was answered for the interval the node asked for.
+- a **heartbeat** once per the interval the node asked for (one lease TTL): the session's
+  recorded liveness, which an idle worker's claims, writing nothing, do not move (ADR 0013).
 
 A refusal of the session (gone, replaced) or an ingress that stays away for the whole retry
 budget fails the worker."""
@@ -109,13 +110,7 @@ class Reporter:
         if probes:
             ledger.settle_probes(probes, self._client.renew([h.fence for h in probes]))
         if heartbeat and now >= self._next_heartbeat:
-            last_answer = ledger.last_answer_at
-            if last_answer is not None and now - last_answer < self._timings.heartbeat_s:
-                # A claim answered lately told the session's status: no heartbeat needed (it
-                # would only end the parked claim).
-                self._next_heartbeat = last_answer + self._timings.heartbeat_s
-            else:
-                self._heartbeat()
+            self._heartbeat()
 
     def _send(self, entries: list[Held], call: Callable[[list[Held]], None]) -> None:
         try:

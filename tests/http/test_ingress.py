@@ -273,7 +273,7 @@ def test_registration_token() -> None:
     assert wrong.status_code == 401
     ok = client.post("/v1/sessions", json=body, headers={"Authorization": "Bearer let-me-in"})
     assert ok.status_code == 201
-    assert ok.json()["heartbeat_interval_ms"] == 333  # a third of the lease TTL
+    assert ok.json()["heartbeat_interval_ms"] == 1_000  # one lease TTL
     with store.unit_of_work() as uow:
         assert len(uow.sessions.open_sessions_of("w")) == 1
 

@@ -110,7 +110,7 @@ def test_without_a_listener_every_cycle_wakes_the_parked_claims(
     node = running_node
     assert node.container.dispatch_listener() is None  # a memory store: no LISTEN connection
     session_id, secret, registered = _register(node)
-    assert registered["heartbeat_interval_ms"] == 1_000  # a third of the lease TTL
+    assert registered["heartbeat_interval_ms"] == 3_000  # one lease TTL
     signal = node.container.claim_signal()
     thread, answers, answered_at = _claim_in_thread(
         node, session_id, secret, {"limit": 1, "wait_ms": 10_000}
@@ -165,5 +165,5 @@ def test_the_listener_is_opened_for_a_postgresql_database_only() -> None:
     listener = node_root.open_dispatch_listener("postgresql+psycopg://u@h/db", signal)
     assert isinstance(listener, DispatchListener)
     assert not listener.connected  # not started: nothing connects yet
-    assert node_root.heartbeat_interval_ms(30.0) == 10_000
-    assert node_root.heartbeat_interval_ms(0.06) == 50
+    assert node_root.heartbeat_interval_ms(30.0) == 30_000
+    assert node_root.heartbeat_interval_ms(0.03) == 50  # the floor
