@@ -8,30 +8,11 @@ from typing import Any
 
 import pytest
 
-from adapters.memory import FakeClock, MemoryStore
+from tests.contract.conftest import STORES, open_store
 
-CREDENTIAL_STORES = [
-    pytest.param("memory", id="memory"),
-    pytest.param("postgres", id="postgres", marks=[pytest.mark.postgres]),
-]
+CREDENTIAL_STORES = [param for param in STORES if param.values != ("sqlite",)]
 
 
 @pytest.fixture(params=CREDENTIAL_STORES)
 def store(request: pytest.FixtureRequest) -> Iterator[Any]:
-    if request.param == "memory":
-        memory = MemoryStore(FakeClock())
-        try:
-            yield memory
-        finally:
-            memory.close()
-        return
-    from adapters.postgres.store import PostgresStore
-
-    postgres = PostgresStore.from_url(
-        request.getfixturevalue("pg_database_url"), create_schema=True
-    )
-    try:
-        postgres.testing_reset()
-        yield postgres
-    finally:
-        postgres.close()
+    yield from open_store(request.param, request)

@@ -84,6 +84,22 @@ class Process:
         return self.log.read_text(errors="replace") if self.log.exists() else ""
 
 
+def listening_url(process: Process) -> str:
+    """The URL a ``ql3 serve`` process prints once it listens."""
+    url: list[str] = []
+
+    def ready() -> bool:
+        assert process.popen.poll() is None, f"node exited:\n{process.output()}"
+        for line in process.output().splitlines():
+            if line.startswith("ql3 node listening on "):
+                url.append(line.rsplit(" ", 1)[1])
+                return True
+        return False
+
+    wait_for(ready, START_TIMEOUT_S, "the node to listen")
+    return url[0]
+
+
 @dataclass
 class Ledger:
     path: Path
@@ -151,20 +167,10 @@ class Cluster:
         if ingress_database_url:
             argv += ["--ingress-database-url", ingress_database_url]
         process = self._spawn(f"node-{index}", argv)
-        url: list[str] = []
-
-        def ready() -> bool:
-            assert process.popen.poll() is None, f"node exited:\n{process.output()}"
-            for line in process.output().splitlines():
-                if line.startswith("ql3 node listening on "):
-                    url.append(line.rsplit(" ", 1)[1])
-                    return True
-            return False
-
-        wait_for(ready, START_TIMEOUT_S, "the node to listen")
-        assert httpx.get(f"{url[0]}/v1/health", timeout=5).json() == {"status": "ok"}
-        self.nodes.append(url[0])
-        return url[0]
+        url = listening_url(process)
+        assert httpx.get(f"{url}/v1/health", timeout=5).json() == {"status": "ok"}
+        self.nodes.append(url)
+        return url
 
     def start_worker(self, prefix: str, worker_id: str, ledger: Ledger, *, concurrency: int = 1,
                      node: int = 0, name: str | None = None) -> Process:

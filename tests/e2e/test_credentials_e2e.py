@@ -27,10 +27,10 @@ from sqlalchemy.engine import make_url
 from tests.e2e.conftest import (
     CADENCE_S,
     LEASE_TTL_S,
-    START_TIMEOUT_S,
     Cluster,
     Ledger,
     Process,
+    listening_url,
     wait_for,
 )
 from tests.postgres_server import connect, random_name
@@ -69,20 +69,10 @@ class SecureCluster(Cluster):
                 "--access-log", "--log-level", "debug"]
         process = self._spawn("secure-node", argv, env={"QL3_DATABASE_URL_FILE": str(url_file),
                                                         "QL3_DATABASE_URL": ""})
-        found: list[str] = []
-
-        def ready() -> bool:
-            assert process.popen.poll() is None, f"node exited:\n{process.output()}"
-            for line in process.output().splitlines():
-                if line.startswith("ql3 node listening on "):
-                    found.append(line.rsplit(" ", 1)[1])
-                    return True
-            return False
-
-        wait_for(ready, START_TIMEOUT_S, "the node to listen")
-        assert found[0].startswith("https://")
-        self.nodes.append(found[0].replace("[::1]", "localhost"))
-        return found[0]
+        url = listening_url(process)
+        assert url.startswith("https://")
+        self.nodes.append(url)
+        return url
 
     def issue(self, *argv: str) -> dict[str, Any]:
         done = self.ql3("credentials", *argv, "--json")
