@@ -93,6 +93,8 @@ def node_settings(
         ingress_database_url, options["ingress_database_url_file"], "QL3_INGRESS_DATABASE_URL"
     )
     password_source = _source(None, options["ingress_password_file"], "QL3_INGRESS_PASSWORD")
+    if password_source is not None and ingress_source is None:
+        raise click.UsageError("an ingress password needs --ingress-database-url (its role)")
     try:
         url = url_source() if url_source else None
         ingress_url = ingress_source() if ingress_source else None
