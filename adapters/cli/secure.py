@@ -14,7 +14,7 @@ from adapters.http.auth import is_loopback
 from adapters.secrets import FileSecret, SecretUnavailable, from_environment, secret_source
 
 F = TypeVar("F", bound=Callable[..., Any])
-PEM_FILE = click.Path(exists=True, dir_okay=False, readable=True)
+READABLE_FILE = click.Path(exists=True, dir_okay=False, readable=True)
 
 log = logging.getLogger("ql3.node")
 
@@ -31,24 +31,31 @@ def serve_options(command: F) -> F:
             is_flag=True,
             help="Let anyone who reaches a non-loopback address register a worker (warned).",
         ),
-        click.option("--tls-cert", type=PEM_FILE, default=None, help="Serve HTTPS: PEM cert."),
-        click.option("--tls-key", type=PEM_FILE, default=None, help="Its PEM private key."),
+        click.option(
+            "--tls-cert",
+            type=READABLE_FILE,
+            default=None,
+            help="Serve HTTPS with this PEM certificate (chain).",
+        ),
+        click.option(
+            "--tls-key", type=READABLE_FILE, default=None, help="The PEM private key of --tls-cert."
+        ),
         click.option(
             "--database-url-file",
-            type=PEM_FILE,
+            type=READABLE_FILE,
             default=None,
             help="A file holding the database URL, read again when it changes "
             "[default: $QL3_DATABASE_URL_FILE].",
         ),
         click.option(
             "--ingress-database-url-file",
-            type=PEM_FILE,
+            type=READABLE_FILE,
             default=None,
             help="A file holding the ingress role's URL [default: $QL3_INGRESS_DATABASE_URL_FILE].",
         ),
         click.option(
             "--ingress-password-file",
-            type=PEM_FILE,
+            type=READABLE_FILE,
             default=None,
             help="A file holding the ingress role's password, read again when it changes "
             "[default: $QL3_INGRESS_PASSWORD_FILE, or $QL3_INGRESS_PASSWORD].",
@@ -133,13 +140,13 @@ def warn_if_anonymous(host: str, require_credentials: bool, settings: dict[str, 
 def worker_options(command: F) -> F:
     command = click.option(
         "--ca-file",
-        type=PEM_FILE,
+        type=READABLE_FILE,
         default=None,
         help="PEM certificate authorities to verify an https:// ingress by.",
     )(command)
     return click.option(
         "--credential-file",
-        type=PEM_FILE,
+        type=READABLE_FILE,
         default=None,
         help="A file holding the worker credential [default: $QL3_WORKER_CREDENTIAL_FILE, "
         "$QL3_WORKER_CREDENTIAL, else $QL3_REGISTRATION_TOKEN].",
