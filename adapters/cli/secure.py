@@ -3,6 +3,7 @@ worker, secrets from the environment or from files, TLS."""
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 from collections.abc import Callable
@@ -10,13 +11,25 @@ from typing import Any, TypeVar
 
 import click
 
-from adapters.http.auth import is_loopback
 from adapters.secrets import FileSecret, SecretUnavailable, from_environment, secret_source
 
 F = TypeVar("F", bound=Callable[..., Any])
 READABLE_FILE = click.Path(exists=True, dir_okay=False, readable=True)
 
 log = logging.getLogger("ql3.node")
+
+LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost"})
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (a listening address) is reachable from this machine only."""
+    name = host.strip().strip("[]").lower()
+    if name in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
 
 
 def serve_options(command: F) -> F:

@@ -15,7 +15,6 @@ with the worker id and the reason, never with what was presented."""
 from __future__ import annotations
 
 import hmac
-import ipaddress
 import logging
 from dataclasses import dataclass
 
@@ -25,19 +24,6 @@ from application.worker_commands import SessionGrant, WorkerCommands
 from domain.credentials import CredentialRejected
 
 log = logging.getLogger("ql3.ingress")
-
-LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost"})
-
-
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` (a listening address) is reachable from this machine only."""
-    name = host.strip().strip("[]").lower()
-    if name in LOOPBACK_NAMES:
-        return True
-    try:
-        return ipaddress.ip_address(name).is_loopback
-    except ValueError:
-        return False
 
 
 @dataclass(frozen=True, slots=True)

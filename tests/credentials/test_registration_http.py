@@ -10,8 +10,9 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
+from adapters.cli.secure import is_loopback
 from adapters.http import create_app
-from adapters.http.auth import RegistrationAuth, is_loopback
+from adapters.http.auth import RegistrationAuth
 from adapters.memory import FakeClock, MemoryStore
 from application.credentials import CredentialCommands
 from application.worker_commands import WorkerCommands
