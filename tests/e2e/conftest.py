@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -221,9 +222,17 @@ class Cluster:
 def cluster(pg_database_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     workdir = tmp_path_factory.mktemp("e2e")
     built = Cluster(database_url=pg_database_url, workdir=workdir)
-    try:
+    with torn_down(built):
         built.start_node(ingress_database_url=built.grant_ingress_role())
         yield built
+
+
+@contextmanager
+def torn_down(built: Cluster) -> Iterator[None]:
+    """On the way out: the processes' logs when it failed; every process stopped, the store
+    closed and the roles dropped."""
+    try:
+        yield
     except BaseException:
         for process in built.processes:
             sys.stderr.write(f"--- {process.name} ---\n{process.output()[-4000:]}\n")

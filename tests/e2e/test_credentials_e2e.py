@@ -21,7 +21,6 @@ from typing import Any
 
 import httpx
 import pytest
-from psycopg import sql
 from sqlalchemy.engine import make_url
 
 from tests.e2e.conftest import (
@@ -31,6 +30,7 @@ from tests.e2e.conftest import (
     Ledger,
     Process,
     listening_url,
+    torn_down,
     wait_for,
 )
 from tests.postgres_server import connect, random_name
@@ -124,19 +124,9 @@ def secure(pg_database_url: str, tmp_path_factory: pytest.TempPathFactory
     assert granted.returncode == 0, granted.stderr
     built.roles.append(role)
     ingress_url = make_url(pg_database_url).set(username=role, password=None)
-    try:
+    with torn_down(built):
         built.start_secure_node(ingress_url.render_as_string(hide_password=False))
         yield built
-    except BaseException:
-        for process in built.processes:
-            sys.stderr.write(f"--- {process.name} ---\n{process.output()[-4000:]}\n")
-        raise
-    finally:
-        built.stop_all()
-        built.container.store().close()
-        with connect(pg_database_url) as conn:
-            conn.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(role)))
-            conn.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
 
 
 def test_a_anonymous_and_unknown_registrations_are_refused(secure: SecureCluster) -> None:
