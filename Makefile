@@ -15,6 +15,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 test: venv
+	command -v openssl >/dev/null || (apt-get update && apt-get install -y openssl)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Generic, Protocol, TypeVar
 
+from domain.credentials import CredentialEvent, WorkerCredential
 from domain.events import RunEvent
 from domain.model import (
     Attempt,
@@ -281,6 +282,49 @@ class UnitOfWork(Protocol):
 
 class UnitOfWorkFactory(Protocol):
     def __call__(self) -> UnitOfWork: ...
+
+
+class CredentialRepository(Protocol):
+    """Worker credentials and their audit inside one transaction (ADR 0008). Cluster only:
+    the memory and PostgreSQL runtime stores implement it."""
+
+    def add(self, credential: WorkerCredential) -> None:
+        """Insert a new credential; an id or secret hash already stored is a
+        ``ConcurrencyConflict``."""
+
+    def get(self, credential_id: str, *, lock: bool = False) -> WorkerCredential | None:
+        """The credential, locked for update with ``lock`` (a revocation)."""
+
+    def find_by_secret_hash(self, secret_hash: str) -> WorkerCredential | None:
+        """The credential of that hash, locked for share: a revocation of it waits for the
+        registration that uses it, and then sees its session."""
+
+    def update(self, before: WorkerCredential, after: WorkerCredential) -> None:
+        """Compare-and-set on the status read."""
+
+    def list_credentials(self) -> Sequence[WorkerCredential]:
+        """Every credential, by issue time then id."""
+
+    def record(self, event: CredentialEvent) -> None:
+        """Append an audit line."""
+
+    def events_of(self, credential_id: str) -> Sequence[CredentialEvent]:
+        """The credential's audit, oldest first."""
+
+    def open_sessions_of(self, credential_id: str) -> Sequence[WorkerSession]:
+        """Active or draining sessions registered with the credential, locked for update."""
+
+
+class CredentialUnitOfWork(UnitOfWork, Protocol):
+    """A transaction of a store that keeps worker credentials."""
+
+    credentials: CredentialRepository
+
+    def __enter__(self) -> CredentialUnitOfWork: ...
+
+
+class CredentialUnitOfWorkFactory(Protocol):
+    def __call__(self) -> CredentialUnitOfWork: ...
 
 
 class DispatchGateRepository(Protocol):

@@ -212,6 +212,35 @@ class _BatchItem:
     writes: list[tuple[Snapshot, Change]]
 
 
+def open_session(
+    uow: UnitOfWork, identities: Identities, worker_id: str, capacity: int, tasks: list[str]
+) -> tuple[SessionGrant, WorkerSession]:
+    """Register a new session in ``uow`` (not committed): open sessions of the same worker id
+    are marked ``replaced``. The grant holds the session's secret, sent once."""
+    secret = identities.new_secret()
+    existing = uow.sessions.open_sessions_of(worker_id)
+    session, replaced = register_session(
+        session_id=identities.new_id(),
+        worker_id=worker_id,
+        capacity=capacity,
+        tasks=tasks,
+        secret_hash=hash_token(secret),
+        existing=existing,
+        now_ms=uow.now_ms(),
+    )
+    before = {s.id: s for s in existing}
+    for old in replaced:
+        uow.sessions.update(before[old.id], old)
+    uow.sessions.add(session)
+    grant = SessionGrant(
+        session_id=session.id,
+        secret=secret,
+        replaced_session_ids=tuple(s.id for s in replaced),
+        registered_at_ms=session.registered_at_ms,
+    )
+    return grant, session
+
+
 def _rejected(attempt_id: str, error: Exception) -> ItemResult:
     if isinstance(error, FenceRejected):
         return ItemResult(
@@ -265,29 +294,10 @@ class WorkerCommands:
     def register(self, worker_id: str, capacity: int, tasks: list[str]) -> SessionGrant:
         """A new session. Open sessions of the same worker id are marked ``replaced``: a worker
         id names one execution slot, so its older process is gone."""
-        secret = self._identities.new_secret()
         with self._uow_factory() as uow:
-            existing = uow.sessions.open_sessions_of(worker_id)
-            session, replaced = register_session(
-                session_id=self._identities.new_id(),
-                worker_id=worker_id,
-                capacity=capacity,
-                tasks=tasks,
-                secret_hash=hash_token(secret),
-                existing=existing,
-                now_ms=uow.now_ms(),
-            )
-            before = {s.id: s for s in existing}
-            for old in replaced:
-                uow.sessions.update(before[old.id], old)
-            uow.sessions.add(session)
+            grant, _session = open_session(uow, self._identities, worker_id, capacity, tasks)
             uow.commit()
-        return SessionGrant(
-            session_id=session.id,
-            secret=secret,
-            replaced_session_ids=tuple(s.id for s in replaced),
-            registered_at_ms=session.registered_at_ms,
-        )
+        return grant
 
     def poll(self, session_id: str, secret: str) -> PollAnswer:
         """A heartbeat: records liveness, tells the session's status and the store's clock."""
@@ -782,7 +792,9 @@ class WorkerCommands:
             raise UnknownSession(f"unknown session {session_id}")
         if not secrets_match(secret, session.secret_hash):
             raise SessionUnauthorized(f"bad secret for session {session_id}")
-        if not allow_closed and session.status not in OPEN_SESSION_STATUSES:
+        if session.status is SessionStatus.REVOKED or (
+            not allow_closed and session.status not in OPEN_SESSION_STATUSES
+        ):
             raise SessionRejected(f"session {session_id} is {session.status.value}")
         return session
 

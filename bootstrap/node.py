@@ -37,6 +37,8 @@ from adapters.http import (
     create_app,
     default_heartbeat_interval_ms,
 )
+from adapters.http.auth import RegistrationAuth
+from application.credentials import CredentialCommands
 from application.identities import RandomIdentities
 from application.scheduler import ClusterSchedulerLifecycle, CycleListener, CycleSummary
 from application.worker_commands import WorkerCommands
@@ -54,6 +56,11 @@ NODE_DEFAULTS: dict[str, object] = {
     "ingress_pool_size": 8,
     "max_body_bytes": DEFAULT_MAX_BODY_BYTES,
     "registration_token": None,
+    "require_credentials": False,
+    # Secret providers (ADR 0008): callables read at each new connection, for secrets in files.
+    "database_url_source": None,
+    "ingress_url_source": None,
+    "ingress_password_source": None,
 }
 STOP_TIMEOUT_S = 30
 # The counts that make a cycle worth a log line: what recovery and lost retry changed.
@@ -63,15 +70,38 @@ NOTEWORTHY = {
 }
 
 
-def open_ingress_store(database_url: str, ingress_database_url: str | None, pool_size: int) -> Any:
+def open_ingress_store(
+    database_url: str,
+    ingress_database_url: str | None,
+    pool_size: int,
+    url_source: Callable[[], str] | None = None,
+    password_source: Callable[[], str] | None = None,
+) -> Any:
     """The ingress's store, with its own engine and pool: on ``ingress_database_url`` (the
     least-privilege ingress role, see ``ql3 db grant-ingress``) when given, else a second pool
-    on the node's own database URL."""
+    on the node's own database URL. Each new connection reads the URL and password of the
+    sources given (secrets in files, read again when they change)."""
+    from adapters.postgres.engine import refresh_on_connect
+
     if ingress_database_url:
         from adapters.postgres.ingress import PostgresIngressStore
 
-        return PostgresIngressStore.from_url(ingress_database_url, pool_size=pool_size)
-    return open_postgres_store(database_url, pool_size)
+        store: Any = PostgresIngressStore.from_url(ingress_database_url, pool_size=pool_size)
+    else:
+        store = open_postgres_store(database_url, pool_size)
+    refresh_on_connect(store.engine, url_source=url_source, password_source=password_source)
+    return store
+
+
+def open_node_store(
+    database_url: str, pool_size: int, url_source: Callable[[], str] | None = None
+) -> Any:
+    """The node's runtime store; each new connection reads ``url_source`` when given."""
+    from adapters.postgres.engine import refresh_on_connect
+
+    store: Any = open_postgres_store(database_url, pool_size)
+    refresh_on_connect(store.engine, url_source=url_source)
+    return store
 
 
 def heartbeat_interval_ms(lease_ttl_s: float) -> int:
@@ -138,6 +168,8 @@ class NodeContainer(containers.DeclarativeContainer):
         config.database_url,
         config.ingress_database_url,
         config.ingress_pool_size,
+        config.ingress_url_source,
+        config.ingress_password_source,
     )
     ingress_commands = providers.Singleton(
         WorkerCommands,
@@ -146,6 +178,18 @@ class NodeContainer(containers.DeclarativeContainer):
         lease_ttl_ms=providers.Callable(seconds_to_ms, config.lease_ttl_s),
     )
     heartbeat_interval_ms = providers.Callable(heartbeat_interval_ms, config.lease_ttl_s)
+    # Worker credentials live on the node's own role (ADR 0008), never the ingress role's.
+    credential_commands = providers.Singleton(
+        CredentialCommands,
+        uow_factory=cluster.store.provided.unit_of_work,
+        identities=providers.Singleton(RandomIdentities),
+    )
+    registration = providers.Singleton(
+        RegistrationAuth,
+        credentials=credential_commands,
+        token=config.registration_token,
+        required=config.require_credentials,
+    )
 
 
 def build(store: Any | None = None, **settings: Any) -> NodeContainer:
@@ -157,6 +201,13 @@ def build(store: Any | None = None, **settings: Any) -> NodeContainer:
     if store is not None:
         container.cluster.store.override(providers.Object(store))
         container.ingress_store.override(providers.Object(store))
+    elif settings.get("database_url_source") is not None:
+        config = container.config
+        container.cluster.store.override(
+            providers.Singleton(
+                open_node_store, config.database_url, config.pool_size, config.database_url_source
+            )
+        )
     return container
 
 
@@ -200,6 +251,7 @@ def create_node_app(
         signal=claims,
         max_body_bytes=container.config.max_body_bytes(),
         registration_token=container.config.registration_token(),
+        registration=container.registration(),
         heartbeat_interval_ms=container.heartbeat_interval_ms(),
         on_attempts_ended=lifecycle.wake,
         lifespan=lifespan,
@@ -251,8 +303,11 @@ def serve(
     access_log: bool = False,
     log_level: str = "info",
     run_startup_recovery: bool = True,
+    tls_cert: str | None = None,
+    tls_key: str | None = None,
 ) -> bool:
-    """Serve until SIGTERM/SIGINT. Returns False when the node could not start."""
+    """Serve until SIGTERM/SIGINT (over TLS with ``tls_cert`` and ``tls_key``, PEM files).
+    Returns False when the node could not start."""
     app = create_node_app(container, on_ready=on_ready, run_startup_recovery=run_startup_recovery)
     config = uvicorn.Config(
         app,
@@ -261,6 +316,8 @@ def serve(
         log_level=log_level,
         server_header=False,
         timeout_graceful_shutdown=STOP_TIMEOUT_S,
+        ssl_certfile=tls_cert,
+        ssl_keyfile=tls_key,
     )
     server = NodeServer(config, container.claim_signal())
 

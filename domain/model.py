@@ -88,6 +88,16 @@ class SessionStatus(enum.Enum):
     DRAINING = "draining"
     CLOSED = "closed"
     REPLACED = "replaced"
+    # its credential was revoked: shut out, but not evidence that its process stopped
+    REVOKED = "revoked"
+
+
+class CredentialStatus(enum.Enum):
+    """A worker credential's stored status; an expired one is still ``active`` (see
+    ``expires_at_ms``) until revoked."""
+
+    ACTIVE = "active"
+    REVOKED = "revoked"
 
 
 class EvidenceKind(enum.Enum):

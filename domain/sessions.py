@@ -1,5 +1,5 @@
 """Worker session transitions: register (replacing an older session of the same worker id),
-heartbeat, drain and close."""
+heartbeat, drain, close and revoke."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from attrs import evolve
 
 from domain.errors import InvalidAdmission, InvalidTransition
 from domain.model import SessionStatus, WorkerSession
+from domain.states import SESSION_EDGES
 
 MAX_CAPACITY = 1024
 
@@ -69,3 +70,11 @@ def close(session: WorkerSession, now_ms: int) -> WorkerSession:
     """The worker says it executes nothing any more: trusted not-running evidence."""
     _open(session, "close")
     return evolve(session, status=SessionStatus.CLOSED, closed_at_ms=now_ms)
+
+
+def revoke_session(session: WorkerSession, now_ms: int) -> WorkerSession:
+    """Its credential was revoked: the session is shut out of every call. Not not-running
+    evidence: the process behind it may still be running what it holds."""
+    if SessionStatus.REVOKED not in SESSION_EDGES[session.status]:
+        raise InvalidTransition("session", session.id, session.status.value, "revoke")
+    return evolve(session, status=SessionStatus.REVOKED, closed_at_ms=now_ms)

@@ -20,6 +20,7 @@ from domain.model import (
     TERMINAL_ATTEMPT_STATUSES,
     TERMINAL_RUN_STATUSES,
     AttemptStatus,
+    CredentialStatus,
     Run,
     RunStatus,
     SessionStatus,
@@ -79,6 +80,24 @@ RELEASABLE_ATTEMPT_STATUSES = frozenset(s for s, to in ATTEMPT_EDGES.items() if 
 
 OPEN_SESSION_STATUSES = frozenset({SessionStatus.ACTIVE, SessionStatus.DRAINING})
 GONE_SESSION_STATUSES = frozenset({SessionStatus.CLOSED, SessionStatus.REPLACED})
+"""Sessions whose process is known to execute nothing any more (not-running evidence).
+``revoked`` is not one of them: a revoked worker may still be running."""
+
+S = SessionStatus
+SESSION_EDGES: Mapping[SessionStatus, frozenset[SessionStatus]] = {
+    S.ACTIVE: frozenset({S.DRAINING, S.CLOSED, S.REPLACED, S.REVOKED}),
+    S.DRAINING: frozenset({S.CLOSED, S.REPLACED, S.REVOKED}),
+    S.CLOSED: frozenset(),
+    S.REPLACED: frozenset(),
+    S.REVOKED: frozenset(),
+}
+"""Session statuses a session may move to; open sessions also stay as they are (heartbeat)."""
+
+CREDENTIAL_EDGES: Mapping[CredentialStatus, frozenset[CredentialStatus]] = {
+    CredentialStatus.ACTIVE: frozenset({CredentialStatus.REVOKED}),
+    CredentialStatus.REVOKED: frozenset(),
+}
+"""A worker credential is revoked once, for good (expiry is a time, not a status)."""
 
 
 def values(statuses: frozenset[RunStatus] | frozenset[AttemptStatus]) -> tuple[str, ...]:

@@ -301,6 +301,10 @@ from adapters.cli import trigger_cmds  # noqa: E402  (commands defined in their 
 cli.add_command(trigger_cmds.triggers)
 cli.add_command(trigger_cmds.workflows)
 
+from adapters.cli import credential_cmds  # noqa: E402  (commands defined in their own module)
+
+cli.add_command(credential_cmds.credentials)
+
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``ql3`` console script."""

@@ -7,8 +7,11 @@ import os
 import signal
 import sys
 from types import FrameType
+from typing import Any
 
 import click
+
+from adapters.cli import secure
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 positive = click.FloatRange(min=0, min_open=True)
@@ -64,6 +67,7 @@ def _configure_logging(level: str) -> None:
     default="info",
     show_default=True,
 )
+@secure.serve_options
 def serve(
     host: str,
     port: int,
@@ -74,29 +78,35 @@ def serve(
     ingress_database_url: str | None,
     access_log: bool,
     log_level: str,
+    **security: Any,
 ) -> None:
     """Run a cluster node: the scheduler cadence and the worker ingress in one process.
 
     Workers claim work over the ingress; the node wakes their waiting claims on every NOTIFY
-    of the database's dispatch channel. Several nodes may share one database. Set
-    $QL3_REGISTRATION_TOKEN to make workers present that token to register. Stops on SIGTERM
-    or SIGINT."""
+    of the database's dispatch channel. Several nodes may share one database.
+
+    Off a loopback address the node starts only when workers must authenticate
+    (--require-credentials: `ql3 credentials issue`; or $QL3_REGISTRATION_TOKEN) or
+    --allow-anonymous-workers says otherwise. Stops on SIGTERM or SIGINT."""
     from adapters.cli.main import Failure, _database_url
     from bootstrap import node
 
-    url = _postgres_url(_database_url(database_url))
-    ingress_url = ingress_database_url or os.environ.get("QL3_INGRESS_DATABASE_URL")
+    options = secure.node_settings(host, database_url, ingress_database_url, security)
+    url = _postgres_url(_database_url(options.pop("database_url")))
+    ingress_url = options.pop("ingress_database_url")
     if ingress_url:
         ingress_url = _postgres_url(_database_url(ingress_url))
     _configure_logging(log_level)
+    tls = options.pop("tls")
     container = node.build(
         database_url=url,
         ingress_database_url=ingress_url,
         cadence_s=cadence,
         lease_ttl_s=lease_ttl,
         max_body_bytes=max_body_bytes,
-        registration_token=os.environ.get("QL3_REGISTRATION_TOKEN") or None,
+        **options,
     )
+    secure.warn_if_anonymous(host, container.config.require_credentials(), options)
     report = container.cluster.startup_recovery().run()
     logging.getLogger("ql3.node").info(
         "startup recovery: %s", " ".join(f"{k}={v}" for k, v in report.counts().items())
@@ -106,7 +116,8 @@ def serve(
     shown = f"[{bound_host}]" if ":" in bound_host else bound_host
 
     def ready() -> None:
-        click.echo(f"ql3 node listening on http://{shown}:{bound_port}")
+        scheme = "https" if tls else "http"
+        click.echo(f"ql3 node listening on {scheme}://{shown}:{bound_port}")
 
     try:
         started = node.serve(
@@ -116,6 +127,7 @@ def serve(
             access_log=access_log,
             log_level=log_level,
             run_startup_recovery=False,
+            **tls,
         )
     finally:
         sock.close()
@@ -170,6 +182,7 @@ def serve(
     default="info",
     show_default=True,
 )
+@secure.worker_options
 def worker(
     ingress_url: str,
     app_spec: str,
@@ -179,6 +192,8 @@ def worker(
     poll_interval: float | None,
     register_timeout: float,
     log_level: str,
+    credential_file: str | None,
+    ca_file: str | None,
 ) -> None:
     """Run tasks from a node's ingress: claim work for the free slots, run each task in its
     slot's child process, report it. SIGTERM (or ^C) drains: no new work, running tasks
@@ -207,7 +222,8 @@ def worker(
         drain_timeout_s=drain_timeout,
         poll_interval_s=poll_interval,
         register_timeout_s=register_timeout,
-        registration_token=os.environ.get("QL3_REGISTRATION_TOKEN") or None,
+        registration_token=secure.worker_credential(credential_file),
+        ca_file=ca_file,
     )
     runner = Worker(settings)
     signals = 0

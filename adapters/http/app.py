@@ -25,6 +25,7 @@ from contextlib import AbstractAsyncContextManager, asynccontextmanager
 
 from fastapi import FastAPI
 
+from adapters.http.auth import RegistrationAuth
 from adapters.http.batches import batch_routes
 from adapters.http.claims import claim_routes
 from adapters.http.deps import IngressState
@@ -53,6 +54,7 @@ def create_app(
     signal: ClaimSignal | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     registration_token: str | None = None,
+    registration: RegistrationAuth | None = None,
     heartbeat_interval_ms: int | None = None,
     on_attempts_ended: Callable[[], None] | None = None,
     lifespan: Lifespan | None = None,
@@ -70,6 +72,7 @@ def create_app(
         heartbeat_interval_ms=heartbeat_interval_ms
         or default_heartbeat_interval_ms(commands.lease_ttl_ms),
         registration_token=registration_token,
+        registration=registration,
         on_attempts_ended=on_attempts_ended,
     )
 

@@ -12,6 +12,7 @@ from fastapi import Depends, Path, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import AfterValidator
 
+from adapters.http.auth import RegistrationAuth
 from adapters.http.errors import ApiError
 from adapters.http.schemas import MAX_ID_LENGTH, storable
 from adapters.http.wake import ClaimSignal
@@ -35,6 +36,14 @@ class IngressState:
     heartbeat_interval_ms: int
     registration_token: str | None = None
     on_attempts_ended: Callable[[], None] | None = None
+    registration: RegistrationAuth | None = None
+
+    @property
+    def registration_auth(self) -> RegistrationAuth:
+        """How registrations are admitted (ADR 0008); without one, by the token alone."""
+        if self.registration is not None:
+            return self.registration
+        return RegistrationAuth(token=self.registration_token)
 
     def attempts_ended(self) -> None:
         if self.on_attempts_ended is None:

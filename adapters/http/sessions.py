@@ -5,14 +5,15 @@ A successful call of a session wakes that session's parked claim (see
 
 from __future__ import annotations
 
-import hmac
 from typing import Any
 
 from fastapi import APIRouter
 
+from adapters.http.auth import register_session
 from adapters.http.deps import Credentials, Ingress, Secret, SessionId
-from adapters.http.errors import ERRORS, ApiError, translated
+from adapters.http.errors import ERRORS, translated
 from adapters.http.schemas import (
+    ErrorBody,
     HealthResponse,
     HeartbeatResponse,
     RegisterRequest,
@@ -26,6 +27,7 @@ session_routes = APIRouter(prefix="/v1/sessions", tags=["sessions"])
 REGISTER_ERRORS: dict[int | str, dict[str, Any]] = {
     status: ERRORS[status] for status in (401, 413, 422, 503)
 }
+REGISTER_ERRORS[403] = {"model": ErrorBody, "description": "The credential does not admit it."}
 
 
 @node_routes.get("/v1/health", response_model=HealthResponse)
@@ -39,14 +41,13 @@ async def health() -> HealthResponse:
 def register(body: RegisterRequest, credentials: Credentials, ingress: Ingress) -> RegisterResponse:
     """Open a session for a worker id. Open sessions of the same worker id are replaced:
     that is evidence that the process behind them no longer runs anything. When the node
-    requires a registration token, send it as the bearer token."""
-    token = ingress.registration_token
-    if token is not None:
-        presented = credentials.credentials if credentials else ""
-        if not hmac.compare_digest(presented.encode(), token.encode()):
-            raise ApiError(401, "unauthorized", "wrong or missing registration token")
+    requires authentication, send a worker credential (or its registration token) as the
+    bearer token (ADR 0008)."""
     commands = ingress.commands
-    grant = translated(lambda: commands.register(body.worker_id, body.capacity, body.tasks))
+    presented = credentials.credentials if credentials else None
+    grant = register_session(
+        ingress.registration_auth, commands, presented, body.worker_id, body.capacity, body.tasks
+    )
     return RegisterResponse(
         session_id=grant.session_id,
         secret=grant.secret,

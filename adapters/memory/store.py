@@ -25,10 +25,12 @@ from attrs import evolve
 from adapters.batches import OneAtATime
 from adapters.memory import scheduling
 from adapters.memory.clock import FakeClock
+from adapters.memory.credentials import MemoryCredentialRepository
 from application.ports import (
     HARD_PAGE_CAP,
     OPEN_GATE,
     ClaimLock,
+    CredentialRepository,
     DispatchGate,
     DispatchGateRepository,
     DueTrigger,
@@ -43,6 +45,7 @@ from application.ports import (
     WorkerSessionRegistry,
     WorkflowRepository,
 )
+from domain.credentials import CredentialEvent, WorkerCredential
 from domain.errors import ConcurrencyConflict
 from domain.model import (
     Attempt,
@@ -100,6 +103,8 @@ class _State:
     # workflow run id -> its steps ordered by position
     workflow_steps: dict[str, tuple[WorkflowStep, ...]] = field(default_factory=dict)
     gate: DispatchGate = OPEN_GATE
+    credentials: dict[str, WorkerCredential] = field(default_factory=dict)
+    credential_events: tuple[CredentialEvent, ...] = ()
 
     def copy(self) -> _State:
         return replace(
@@ -115,6 +120,7 @@ class _State:
             triggers=dict(self.triggers),
             firings=dict(self.firings),
             workflow_steps=dict(self.workflow_steps),
+            credentials=dict(self.credentials),
         )
 
     # reads shared by the repositories and the sources
@@ -255,6 +261,7 @@ class MemoryUnitOfWork:
         self.triggers: TriggerRepository = scheduling.MemoryTriggerRepository(self)
         self.workflows: WorkflowRepository = scheduling.MemoryWorkflowRepository(self)
         self.gate: DispatchGateRepository = MemoryGateRepository(self)
+        self.credentials: CredentialRepository = MemoryCredentialRepository(self)
 
     def __enter__(self) -> MemoryUnitOfWork:
         if self._entered:

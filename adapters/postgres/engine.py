@@ -14,9 +14,11 @@ the pool replaces it.
 from __future__ import annotations
 
 import select
+from collections.abc import Callable
 from typing import Any
 
 from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DisconnectionError
 from sqlalchemy.pool import QueuePool
 
@@ -52,3 +54,37 @@ def _refuse_ended_connection(dbapi_connection: Any, record: Any, proxy: Any) -> 
     if connection_ended(dbapi_connection):
         # The pool invalidates this connection and checks out a new one.
         raise DisconnectionError("the server has ended this pooled connection")
+
+
+def refresh_on_connect(
+    engine: Engine,
+    *,
+    url_source: Callable[[], str] | None = None,
+    password_source: Callable[[], str] | None = None,
+) -> None:
+    """Every new connection of ``engine`` is opened with the current URL of ``url_source``
+    (its host, port, user, password and database) and the current password of
+    ``password_source``: a secret rotated in its file is used from the next connection on,
+    without a restart. Connections already open are kept (a changed password does not end
+    them on the server)."""
+    if url_source is None and password_source is None:
+        return
+
+    def on_connect(dialect: Any, _record: Any, _args: Any, params: dict[str, Any]) -> None:
+        if url_source is not None:
+            url = make_url(url_source())
+            if url.drivername in ("postgresql", "postgres"):
+                url = url.set(drivername="postgresql+psycopg")
+            _, fresh = dialect.create_connect_args(url)
+            for key in _ADDRESS_KEYS:
+                if key in fresh:
+                    params[key] = fresh[key]
+                else:
+                    params.pop(key, None)
+        if password_source is not None:
+            params["password"] = password_source()
+
+    event.listen(engine, "do_connect", on_connect)
+
+
+_ADDRESS_KEYS = ("host", "port", "user", "password", "dbname")

@@ -45,6 +45,7 @@ from adapters.postgres.queries import (
     recovery_candidates_query,
 )
 from adapters.sql import rows, statements
+from adapters.sql.credentials import SqlCredentialRepository
 from adapters.sql.repositories import (
     SqlEvidenceRepository,
     SqlGateRepository,
@@ -59,6 +60,7 @@ from adapters.sql.triggers import SqlTriggerRepository
 from adapters.sql.workflows import SqlWorkflowRepository
 from application.ports import (
     ClaimLock,
+    CredentialRepository,
     DispatchGate,
     DispatchGateRepository,
     DueTrigger,
@@ -134,6 +136,7 @@ class PostgresUnitOfWork(ConnectionTransaction):
         self.triggers: TriggerRepository = SqlTriggerRepository(self)
         self.workflows: WorkflowRepository = SqlWorkflowRepository(self)
         self.gate: DispatchGateRepository = SqlGateRepository(self)
+        self.credentials: CredentialRepository = SqlCredentialRepository(self)
         # What the last lock statement read besides the locked rows (the holder's session, the
         # Attempt's stop reports, the clock), served to the next reads until anything is written.
         self._seen_sessions: dict[str, WorkerSession | None] = {}

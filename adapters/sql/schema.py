@@ -45,9 +45,11 @@ from sqlalchemy import (
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.types import TypeDecorator, TypeEngine
 
+from domain.credentials import CredentialEventType
 from domain.events import EventType
 from domain.model import (
     AttemptStatus,
+    CredentialStatus,
     EvidenceKind,
     LeaseStatus,
     ReleaseReason,
@@ -553,6 +555,50 @@ Index(
     sqlite_where=text(_OPEN_STEP),
 )
 
+# --- worker credentials (ADR 0008) --------------------------------------------------------------
+#
+# Who may register a worker session: only the SHA-256 hash of each secret is kept. The audit
+# names the sessions registered with a credential (``used``), which is how a revocation finds
+# the sessions to revoke with it.
+
+worker_credentials = Table(
+    "worker_credentials",
+    metadata,
+    Column("id", identifier(), nullable=False),
+    Column("worker_pattern", Text(), nullable=False),
+    Column("tasks", json_document(), nullable=True),
+    Column("secret_hash", Text(), nullable=False),
+    Column("status", Text(), nullable=False),
+    Column("issued_at", EpochMillis(), nullable=False),
+    Column("expires_at", EpochMillis(), nullable=True),
+    Column("revoked_at", EpochMillis(), nullable=True),
+    Column("rotates_id", identifier(), nullable=True),
+    PrimaryKeyConstraint("id", name="pk_worker_credentials"),
+    UniqueConstraint("secret_hash", name="uq_worker_credentials_secret_hash"),
+    CheckConstraint(_one_of("status", _enum_values(CredentialStatus)), name="status"),
+    CheckConstraint("(status = 'revoked') = (revoked_at IS NOT NULL)", name="revoked_at"),
+)
+
+worker_credential_events = Table(
+    "worker_credential_events",
+    metadata,
+    Column("id", sequence_key(), Identity(always=False), nullable=False),
+    Column("credential_id", identifier(), ForeignKey("worker_credentials.id"), nullable=False),
+    Column("type", Text(), nullable=False),
+    Column("at", EpochMillis(), nullable=False),
+    Column("worker_id", identifier(), nullable=True),
+    Column("session_id", identifier(), nullable=True),
+    Column("detail", Text(), nullable=False),
+    PrimaryKeyConstraint("id", name="pk_worker_credential_events"),
+    CheckConstraint(_one_of("type", _enum_values(CredentialEventType)), name="type"),
+)
+
+Index(
+    "ix_worker_credential_events_credential_id",
+    worker_credential_events.c.credential_id,
+    worker_credential_events.c.id,
+)
+
 ALL_TABLES = (
     runs,
     run_attempts,
@@ -564,4 +610,6 @@ ALL_TABLES = (
     trigger_firings,
     workflow_steps,
     dispatch_gate,
+    worker_credentials,
+    worker_credential_events,
 )

@@ -14,6 +14,7 @@ most :data:`MAX_BATCH_ITEMS`."""
 from __future__ import annotations
 
 import random
+import ssl
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -222,9 +223,14 @@ class IngressClient:
         registration_token: str | None = None,
         transport: httpx.BaseTransport | None = None,
         retry_budget_s: float = DEFAULT_RETRY_BUDGET_S,
+        ca_file: str | None = None,
     ) -> None:
+        # An https:// ingress is verified against ``ca_file`` (PEM) or the system's authorities.
+        verify: ssl.SSLContext | bool = (
+            ssl.create_default_context(cafile=ca_file) if ca_file is not None else True
+        )
         self._http = httpx.Client(
-            base_url=base_url.rstrip("/"), timeout=timeout_s, transport=transport
+            base_url=base_url.rstrip("/"), timeout=timeout_s, transport=transport, verify=verify
         )
         self._timeout_s = timeout_s
         self._registration_token = registration_token

@@ -304,4 +304,5 @@ def _default_client(settings: WorkerSettings) -> IngressClient:
         settings.ingress_url,
         timeout_s=settings.request_timeout_s,
         registration_token=settings.registration_token,
+        ca_file=settings.ca_file,
     )

@@ -33,6 +33,9 @@ class WorkerSettings:
     # before the worker gives up and exits; None: the lease TTL, at least 5 s.
     give_up_s: float | None = None
     registration_token: str | None = None
+    # PEM file of the certificate authorities an https:// ingress is verified against; None:
+    # the system's.
+    ca_file: str | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.concurrency <= MAX_CAPACITY:

@@ -51,14 +51,19 @@ STORES = [
 
 @pytest.fixture(params=STORES)
 def store(request: pytest.FixtureRequest) -> Iterator[Any]:
-    if request.param == "memory":
+    yield from open_store(request.param, request)
+
+
+def open_store(kind: str, request: pytest.FixtureRequest) -> Iterator[Any]:
+    """A fresh, empty store of ``kind`` (``memory``, ``sqlite``, ``postgres``), closed after."""
+    if kind == "memory":
         memory = MemoryStore(FakeClock())
         try:
             yield memory
         finally:
             memory.close()
         return
-    if request.param == "sqlite":
+    if kind == "sqlite":
         from adapters.sql.sqlite import SqliteStore
 
         tmp_path = request.getfixturevalue("tmp_path")

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -82,6 +83,22 @@ class Process:
 
     def output(self) -> str:
         return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+
+def listening_url(process: Process) -> str:
+    """The URL a ``ql3 serve`` process prints once it listens."""
+    url: list[str] = []
+
+    def ready() -> bool:
+        assert process.popen.poll() is None, f"node exited:\n{process.output()}"
+        for line in process.output().splitlines():
+            if line.startswith("ql3 node listening on "):
+                url.append(line.rsplit(" ", 1)[1])
+                return True
+        return False
+
+    wait_for(ready, START_TIMEOUT_S, "the node to listen")
+    return url[0]
 
 
 @dataclass
@@ -151,20 +168,10 @@ class Cluster:
         if ingress_database_url:
             argv += ["--ingress-database-url", ingress_database_url]
         process = self._spawn(f"node-{index}", argv)
-        url: list[str] = []
-
-        def ready() -> bool:
-            assert process.popen.poll() is None, f"node exited:\n{process.output()}"
-            for line in process.output().splitlines():
-                if line.startswith("ql3 node listening on "):
-                    url.append(line.rsplit(" ", 1)[1])
-                    return True
-            return False
-
-        wait_for(ready, START_TIMEOUT_S, "the node to listen")
-        assert httpx.get(f"{url[0]}/v1/health", timeout=5).json() == {"status": "ok"}
-        self.nodes.append(url[0])
-        return url[0]
+        url = listening_url(process)
+        assert httpx.get(f"{url}/v1/health", timeout=5).json() == {"status": "ok"}
+        self.nodes.append(url)
+        return url
 
     def start_worker(self, prefix: str, worker_id: str, ledger: Ledger, *, concurrency: int = 1,
                      node: int = 0, name: str | None = None) -> Process:
@@ -215,9 +222,17 @@ class Cluster:
 def cluster(pg_database_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     workdir = tmp_path_factory.mktemp("e2e")
     built = Cluster(database_url=pg_database_url, workdir=workdir)
-    try:
+    with torn_down(built):
         built.start_node(ingress_database_url=built.grant_ingress_role())
         yield built
+
+
+@contextmanager
+def torn_down(built: Cluster) -> Iterator[None]:
+    """On the way out: the processes' logs when it failed; every process stopped, the store
+    closed and the roles dropped."""
+    try:
+        yield
     except BaseException:
         for process in built.processes:
             sys.stderr.write(f"--- {process.name} ---\n{process.output()[-4000:]}\n")
