@@ -36,6 +36,7 @@ SETTLE_S = 3.0
 # A backend publishes its counters at most once a second, and an idle one 10 s after its last
 # transaction at the latest: the registrations' commits are published before the first reading.
 CLUSTER_SETTLE_S = 11.0
+STATS_TIMEOUT_S = 30.0
 BOOT_TIMEOUT_S = 60.0
 TARGET_STANDALONE_WRITES = 0
 TARGET_CLUSTER_COMMITS = 30
@@ -81,15 +82,21 @@ def standalone_writes(seconds: float) -> dict[str, Any]:
 
 
 def _commits_and_wal(admin: str, database: str) -> tuple[int, int]:
+    """The database's committed transactions and the server's WAL position. The database's row
+    appears once one of its backends has published its counters: wait for it."""
+    deadline = time.monotonic() + STATS_TIMEOUT_S
     with connect(admin, autocommit=True) as conn:
-        row = conn.execute(
-            "SELECT (SELECT xact_commit FROM pg_stat_database WHERE datname = %s),"
-            " pg_current_wal_lsn() - '0/0'::pg_lsn",
-            (database,),
-        ).fetchone()
-    if row is None or row[0] is None:
-        raise BenchmarkError(f"pg_stat_database has no row for {database}")
-    return int(row[0]), int(row[1])
+        while True:
+            row = conn.execute(
+                "SELECT (SELECT xact_commit FROM pg_stat_database WHERE datname = %s),"
+                " pg_current_wal_lsn() - '0/0'::pg_lsn",
+                (database,),
+            ).fetchone()
+            if row is not None and row[0] is not None:
+                return int(row[0]), int(row[1])
+            if time.monotonic() > deadline:
+                raise BenchmarkError(f"pg_stat_database has no row for {database}")
+            time.sleep(0.2)
 
 
 def cluster_commits(admin: str, url: str, seconds: float) -> dict[str, Any]:
