@@ -3,9 +3,12 @@ turn due ``retry_wait`` Runs into a fresh Attempt N+1."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from application.budgets import validate_page_size
+from application.diagnosis import CandidateFailed
 from application.ports import (
     Identities,
     LostRetryCandidateSource,
@@ -15,8 +18,13 @@ from application.ports import (
     UnitOfWorkFactory,
 )
 from domain.events import EventType
-from domain.model import AttemptStatus, RunOwner, RunStatus
-from domain.retry import is_lost_retry_candidate, settle_lost_run, start_next_attempt
+from domain.model import AttemptStatus
+from domain.retry import (
+    is_due_retry,
+    is_lost_retry_candidate,
+    settle_lost_run,
+    start_next_attempt,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,7 +54,10 @@ class LostRetry:
     transaction per candidate, the Attempt's advisory lock before the row locks.
 
     Fail closed: any error (database, lock, state, persistence) propagates and ends the step at
-    that candidate. A broken head candidate is never skipped to go on with later ones."""
+    that candidate, named by :class:`CandidateFailed`. A broken head candidate is never
+    skipped to go on with later ones; only an operator's quarantine takes it out (ADR 0010)."""
+
+    STEP_NAME = "lost_retry"
 
     def __init__(
         self,
@@ -69,7 +80,7 @@ class LostRetry:
         failed = scheduled = created = moved_on = 0
         lost = self._source.lost_runs(limit)
         for candidate in lost.items:
-            with self._uow_factory() as uow:
+            with self._failing_on(candidate), self._uow_factory() as uow:
                 outcome = settle_lost_candidate(uow, candidate)
             if outcome is EventType.RUN_FAILED:
                 failed += 1
@@ -79,7 +90,7 @@ class LostRetry:
                 moved_on += 1
         due = self._source.due_retries(limit)
         for candidate in due.items:
-            with self._uow_factory() as uow:
+            with self._failing_on(candidate), self._uow_factory() as uow:
                 started = start_due_retry(uow, candidate, self._identities)
             if started:
                 created += 1
@@ -92,6 +103,17 @@ class LostRetry:
             moved_on=moved_on,
             has_more=lost.has_more or due.has_more,
         )
+
+
+    @contextmanager
+    def _failing_on(self, candidate: RunCandidate) -> Iterator[None]:
+        """Any error of the block names ``candidate`` (:class:`CandidateFailed`)."""
+        try:
+            yield
+        except Exception as error:
+            raise CandidateFailed(
+                self.STEP_NAME, candidate.run_id, candidate.attempt_id, error
+            ) from error
 
 
 def _lock_candidate(uow: UnitOfWork, candidate: RunCandidate) -> Snapshot | None:
@@ -131,12 +153,8 @@ def start_due_retry(uow: UnitOfWork, candidate: RunCandidate, identities: Identi
         return False
     run = snapshot.run
     now_ms = uow.now_ms()
-    if (
-        run.status is not RunStatus.RETRY_WAIT
-        or run.owner is not RunOwner.RUNTIME
-        or run.next_attempt_at_ms is None
-        or run.next_attempt_at_ms > now_ms
-        or (snapshot.attempt is not None and snapshot.attempt.number != run.attempt_count)
+    if not is_due_retry(run, now_ms) or (
+        snapshot.attempt is not None and snapshot.attempt.number != run.attempt_count
     ):
         return False
     change = start_next_attempt(run=run, attempt_id=identities.new_id(), now_ms=now_ms)

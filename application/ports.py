@@ -86,14 +86,29 @@ class SessionCapacity:
 
 
 @dataclass(frozen=True, slots=True)
+class StepFailure:
+    """The candidate a runtime recovery or lost-retry step failed on, cycle after cycle, of
+    any replica (ADR 0010): ``since_ms`` is the first of those failures by the store's clock,
+    ``cycles`` how many there were in a row, ``error`` the latest one."""
+
+    step: str
+    run_id: str
+    attempt_id: str | None
+    error: str
+    since_ms: int
+    cycles: int
+
+
+@dataclass(frozen=True, slots=True)
 class DispatchGate:
     """Whether claims may grant work (ADR 0007). Closed while the most recent runtime recovery
     or lost-retry step of any replica failed and none has succeeded since; ``reason`` says which
-    step failed and how."""
+    step failed and how, ``failure`` on which candidate when the failure had one."""
 
     open: bool
     reason: str | None = None
     changed_at_ms: int | None = None
+    failure: StepFailure | None = None
 
 
 OPEN_GATE = DispatchGate(open=True)
@@ -284,6 +299,9 @@ class UnitOfWorkFactory(Protocol):
 
 
 class DispatchGateRepository(Protocol):
+    def get(self) -> DispatchGate:
+        """The gate as this transaction sees it."""
+
     def set(self, gate: DispatchGate) -> None:
         """Replace the gate's state (one row for every replica of the store)."""
 
@@ -330,6 +348,45 @@ class DispatchGateSource(Protocol):
         """The gate as committed (one read, no transaction kept)."""
 
 
+@dataclass(frozen=True, slots=True)
+class QueueDepth:
+    """The ``queued`` Runs of one task and when the oldest of them was queued."""
+
+    task: str
+    queued: int
+    oldest_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class EvidenceWaits:
+    """Started Attempts whose lease expired, waiting for not-running evidence (fail closed);
+    ``oldest_ms`` is the earliest expiry among them."""
+
+    count: int
+    oldest_ms: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class OperationsView:
+    """What ``ql3 status``, ``ql3 doctor`` and the metrics read, each part by a query whose
+    cost follows the live work, never the finished history (ADR 0010). ``quarantined`` holds
+    at most the limit asked for; ``quarantined_count`` counts them all."""
+
+    observed_at_ms: int
+    gate: DispatchGate
+    queues: tuple[QueueDepth, ...]
+    evidence: EvidenceWaits
+    sessions: tuple[SessionCapacity, ...]
+    quarantined: tuple[Run, ...]
+    quarantined_count: int
+
+
+class OperationsSource(Protocol):
+    def operations_view(self, limit: int) -> OperationsView:
+        """One consistent read of the operations view, listing at most ``limit`` quarantined
+        Runs (oldest quarantine first) and the open (active or draining) sessions."""
+
+
 class TriggerSource(Protocol):
     def due_triggers(self, limit: int) -> Page[DueTrigger]:
         """Active triggers whose next firing the store's clock reached, earliest first."""
@@ -372,7 +429,9 @@ class RuntimeStore(
     def close(self) -> None: ...
 
 
-class SchedulerStore(RuntimeStore, TriggerSource, WorkflowFrontierSource, Protocol):
+class SchedulerStore(
+    RuntimeStore, TriggerSource, WorkflowFrontierSource, OperationsSource, Protocol
+):
     """A runtime store with everything the whole cadence needs, trigger schedule and workflow
     frontier included. Every store a profile runs on (memory, PostgreSQL, SQLite) implements it;
     the worker ingress's least-privilege store implements only :class:`RuntimeStore`."""

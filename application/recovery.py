@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 from application.budgets import validate_page_size
+from application.diagnosis import CandidateFailed
 from application.ports import (
     RecoveryCandidate,
     RecoveryCandidateSource,
@@ -77,7 +78,10 @@ def recover_candidate(uow: UnitOfWork, attempt_id: str) -> RecoveryHold | None:
 class RuntimeRecovery:
     """ADR 0002, decisions 1 and 2: each cycle, one bounded page of expired candidates, each
     resolved in its own short transaction. No cursor or per-run state is kept between cycles.
-    Any error ends the pass (fail closed); the next cycle starts again from the store's view."""
+    Any error ends the pass (fail closed) and names its candidate (:class:`CandidateFailed`);
+    the next cycle starts again from the store's view."""
+
+    STEP_NAME = "runtime_recovery"
 
     def __init__(
         self,
@@ -149,8 +153,15 @@ class RuntimeRecovery:
         return [f.result() for f in futures]
 
     def _resolve(self, candidate: RecoveryCandidate) -> RecoveryHold | None:
-        with self._uow_factory() as uow:
-            hold = recover_candidate(uow, candidate.attempt_id)
-            if hold is None:
-                uow.commit()
-            return hold
+        try:
+            with self._uow_factory() as uow:
+                hold = recover_candidate(uow, candidate.attempt_id)
+                if hold is None:
+                    uow.commit()
+                return hold
+        except PassAborted:
+            raise
+        except Exception as error:
+            raise CandidateFailed(
+                self.STEP_NAME, candidate.run_id, candidate.attempt_id, error
+            ) from error

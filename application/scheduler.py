@@ -15,6 +15,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
+from application.diagnosis import CandidateFailed, FailingCandidate, describe
+
 
 class StepReport(Protocol):
     def counts(self) -> Mapping[str, int]: ...
@@ -48,9 +50,14 @@ class NoWorkflowFrontier:
 
 @dataclass(frozen=True, slots=True)
 class StepOutcome:
+    """One step of a cycle: its counts, or the error that ended the cycle and, when the step
+    failed on one candidate, that candidate (ADR 0010); and how long it took."""
+
     name: str
     counts: Mapping[str, int]
     error: str | None = None
+    candidate: FailingCandidate | None = None
+    seconds: float = 0.0
 
     @property
     def ok(self) -> bool:
@@ -76,25 +83,54 @@ class CycleSummary:
             "ok": self.ok,
             "aborted_at": self.aborted_at,
             "steps": [
-                {"name": s.name, "counts": dict(s.counts), "error": s.error} for s in self.steps
+                {
+                    "name": s.name,
+                    "counts": dict(s.counts),
+                    "error": s.error,
+                    **(
+                        {"run_id": s.candidate.run_id, "attempt_id": s.candidate.attempt_id}
+                        if s.candidate is not None
+                        else {}
+                    ),
+                }
+                for s in self.steps
             ],
         }
-
-
-def _describe(error: BaseException) -> str:
-    return f"{type(error).__name__}: {error}"
 
 
 def run_steps(steps: tuple[tuple[str, SchedulerStep], ...]) -> CycleSummary:
     """Run the steps in order; the first failure ends the cycle and is reported."""
     outcomes: list[StepOutcome] = []
     for name, step in steps:
+        started = time.perf_counter()
         try:
             report = step.run_once()
-        except Exception as error:  # fail closed: reported, the next cadence tries again
-            outcomes.append(StepOutcome(name=name, counts={}, error=_describe(error)))
+        except CandidateFailed as failed:  # fail closed, naming the candidate
+            outcomes.append(
+                StepOutcome(
+                    name=name,
+                    counts={},
+                    error=failed.candidate.error,
+                    candidate=failed.candidate,
+                    seconds=time.perf_counter() - started,
+                )
+            )
             return CycleSummary(steps=tuple(outcomes), aborted_at=name)
-        outcomes.append(StepOutcome(name=name, counts=dict(report.counts())))
+        except Exception as error:  # fail closed: reported, the next cadence tries again
+            outcomes.append(
+                StepOutcome(
+                    name=name,
+                    counts={},
+                    error=describe(error),
+                    seconds=time.perf_counter() - started,
+                )
+            )
+            return CycleSummary(steps=tuple(outcomes), aborted_at=name)
+        outcomes.append(
+            StepOutcome(
+                name=name, counts=dict(report.counts()), seconds=time.perf_counter() - started
+            )
+        )
     return CycleSummary(steps=tuple(outcomes))
 
 
@@ -124,7 +160,7 @@ class SchedulerCoordinator:
 
 
 class GateCloser(Protocol):
-    def close(self, reason: str) -> None: ...
+    def close(self, reason: str, candidate: FailingCandidate | None = None) -> None: ...
 
 
 GUARD_STEPS = ("runtime_recovery", "lost_retry")
@@ -165,7 +201,10 @@ class ClusterSchedulerCoordinator:
             step = summary.step(summary.aborted_at or "")
             # A store that cannot take this write cannot grant a claim either.
             with contextlib.suppress(Exception):
-                self._gate.close(f"{summary.aborted_at} failed: {step.error if step else ''}")
+                self._gate.close(
+                    f"{summary.aborted_at} failed: {step.error if step else ''}",
+                    step.candidate if step else None,
+                )
         return summary
 
 

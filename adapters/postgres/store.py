@@ -44,7 +44,7 @@ from adapters.postgres.queries import (
     orphaned_runs_query,
     recovery_candidates_query,
 )
-from adapters.sql import rows, statements
+from adapters.sql import operations, rows, statements
 from adapters.sql.repositories import (
     SqlEvidenceRepository,
     SqlGateRepository,
@@ -63,6 +63,7 @@ from application.ports import (
     DispatchGateRepository,
     DueTrigger,
     EvidenceRepository,
+    OperationsView,
     Page,
     RecoveryCandidate,
     RunCandidate,
@@ -621,6 +622,23 @@ class PostgresStore:
 
     def due_triggers(self, limit: int) -> Page[DueTrigger]:
         return trigger_pages.due_triggers(self, limit)
+
+    def operations_view(self, limit: int) -> OperationsView:
+        """Read in one read-only snapshot, on demand (never on the cadence)."""
+        check_page_limit(limit)
+        offset = self._clock_offset_ms
+        with self.engine.connect() as connection:
+            connection.exec_driver_sql("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+            now = int(connection.execute(queries.now_statement(offset)).scalar_one())
+            view = operations.operations_view(
+                lambda statement: connection.execute(statement).mappings().all(),
+                now=queries.store_now(offset),
+                observed_at_ms=now,
+                limit=limit,
+                spelling=queries.POSTGRES,
+            )
+            connection.rollback()
+        return view
 
     def workflow_candidates(self, limit: int) -> Page[RunCandidate]:
         return workflow_pages.workflow_candidates(self, limit)
