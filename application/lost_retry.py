@@ -10,14 +10,16 @@ from dataclasses import dataclass
 from application.budgets import validate_page_size
 from application.diagnosis import CandidateFailed
 from application.ports import (
+    NO_METRICS,
     Identities,
     LostRetryCandidateSource,
+    Metrics,
     RunCandidate,
     Snapshot,
     UnitOfWork,
     UnitOfWorkFactory,
 )
-from domain.events import EventType
+from domain.events import EventType, RunEvent
 from domain.model import AttemptStatus
 from domain.retry import (
     is_due_retry,
@@ -65,11 +67,13 @@ class LostRetry:
         source: LostRetryCandidateSource,
         identities: Identities,
         page_size: int | None = None,
+        metrics: Metrics = NO_METRICS,
     ) -> None:
         self._uow_factory = uow_factory
         self._source = source
         self._identities = identities
         self._page_size = validate_page_size(page_size)
+        self._metrics = metrics
 
     @property
     def page_size(self) -> int:
@@ -81,7 +85,10 @@ class LostRetry:
         lost = self._source.lost_runs(limit)
         for candidate in lost.items:
             with self._failing_on(candidate), self._uow_factory() as uow:
-                outcome = settle_lost_candidate(uow, candidate)
+                event = settle_lost_candidate(uow, candidate)
+            if event is not None:
+                self._metrics.committed((event,))
+            outcome = event.type if event is not None else None
             if outcome is EventType.RUN_FAILED:
                 failed += 1
             elif outcome is EventType.RETRY_SCHEDULED:
@@ -127,9 +134,9 @@ def _lock_candidate(uow: UnitOfWork, candidate: RunCandidate) -> Snapshot | None
     return snapshot
 
 
-def settle_lost_candidate(uow: UnitOfWork, candidate: RunCandidate) -> EventType | None:
-    """Settle one ``lost`` Run inside ``uow`` and commit; returns the event type written, or
-    None when the Run, re-checked under the locks, is no longer a candidate."""
+def settle_lost_candidate(uow: UnitOfWork, candidate: RunCandidate) -> RunEvent | None:
+    """Settle one ``lost`` Run inside ``uow`` and commit; returns the event written, or None
+    when the Run, re-checked under the locks, is no longer a candidate."""
     snapshot = _lock_candidate(uow, candidate)
     if (
         snapshot is None
@@ -143,7 +150,7 @@ def settle_lost_candidate(uow: UnitOfWork, candidate: RunCandidate) -> EventType
     change = settle_lost_run(run=snapshot.run, lost_attempt=snapshot.attempt, now_ms=uow.now_ms())
     uow.runs.apply(snapshot, change)
     uow.commit()
-    return change.event.type
+    return change.event
 
 
 def start_due_retry(uow: UnitOfWork, candidate: RunCandidate, identities: Identities) -> bool:

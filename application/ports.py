@@ -399,6 +399,51 @@ class WorkflowFrontierSource(Protocol):
         started. Oldest first (by the aggregate's ``updated_at``)."""
 
 
+class Metrics(Protocol):
+    """What this process did, told as it happens (ADR 0010). An adapter counts it (Prometheus
+    on a node); :data:`NO_METRICS` forgets it. Gauges of the store's state are no business of
+    this port: they are read on scrape from :class:`OperationsSource`, never on the cadence."""
+
+    def step_finished(self, step: str, outcome: str, seconds: float) -> None:
+        """One step of a cycle: ``ok``, ``failed``, or ``skipped`` after an earlier failure."""
+
+    def cycle_finished(self, ok: bool) -> None: ...
+
+    def committed(self, events: Sequence[RunEvent]) -> None:
+        """Events of changes this process committed (recovery, lost retry, worker commands)."""
+
+    def fence_rejected(self, reason: str) -> None: ...
+
+    def leases_renewed(self, count: int) -> None: ...
+
+    def claim_answered(self, granted: int, no_grant: str | None) -> None: ...
+
+
+class NoMetrics:
+    """The metrics of a process that exports none."""
+
+    def step_finished(self, step: str, outcome: str, seconds: float) -> None:
+        return None
+
+    def cycle_finished(self, ok: bool) -> None:
+        return None
+
+    def committed(self, events: Sequence[RunEvent]) -> None:
+        return None
+
+    def fence_rejected(self, reason: str) -> None:
+        return None
+
+    def leases_renewed(self, count: int) -> None:
+        return None
+
+    def claim_answered(self, granted: int, no_grant: str | None) -> None:
+        return None
+
+
+NO_METRICS: Metrics = NoMetrics()
+
+
 class CronCalendar(Protocol):
     """Fire times of cron expressions (five fields, UTC)."""
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from application.diagnosis import CandidateFailed, FailingCandidate, describe
+from application.ports import NO_METRICS, Metrics
 
 
 class StepReport(Protocol):
@@ -173,7 +174,7 @@ class ClusterSchedulerCoordinator:
 
     It owns no timer, pool, connection, cursor or per-run state: only its collaborators."""
 
-    __slots__ = ("_gate", "_inner", "_lost_retry", "_recovery")
+    __slots__ = ("_gate", "_inner", "_lost_retry", "_metrics", "_recovery")
 
     STEP_NAMES = (*GUARD_STEPS, *SchedulerCoordinator.STEP_NAMES)
 
@@ -183,11 +184,13 @@ class ClusterSchedulerCoordinator:
         lost_retry: SchedulerStep,
         inner: SchedulerCoordinator,
         gate: GateCloser,
+        metrics: Metrics = NO_METRICS,
     ) -> None:
         self._recovery = runtime_recovery
         self._lost_retry = lost_retry
         self._inner = inner
         self._gate = gate
+        self._metrics = metrics
 
     def run_cycle(self) -> CycleSummary:
         summary = run_steps(
@@ -205,7 +208,19 @@ class ClusterSchedulerCoordinator:
                     f"{summary.aborted_at} failed: {step.error if step else ''}",
                     step.candidate if step else None,
                 )
+        report_cycle(self._metrics, summary, self.STEP_NAMES)
         return summary
+
+
+def report_cycle(metrics: Metrics, summary: CycleSummary, step_names: tuple[str, ...]) -> None:
+    """Each step's outcome and duration; the steps an abort left out are ``skipped``."""
+    for name in step_names:
+        step = summary.step(name)
+        if step is None:
+            metrics.step_finished(name, "skipped", 0.0)
+        else:
+            metrics.step_finished(name, "ok" if step.ok else "failed", step.seconds)
+    metrics.cycle_finished(summary.ok)
 
 
 class Coordinator(Protocol):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import operator
 import signal
 import socket
 from collections.abc import AsyncIterator, Callable
@@ -37,6 +38,8 @@ from adapters.http import (
     create_app,
     default_heartbeat_interval_ms,
 )
+from adapters.http.metrics import metrics_routes
+from adapters.prometheus import node_registry
 from application.identities import RandomIdentities
 from application.scheduler import ClusterSchedulerLifecycle, CycleListener, CycleSummary
 from application.worker_commands import WorkerCommands
@@ -139,11 +142,16 @@ class NodeContainer(containers.DeclarativeContainer):
         config.ingress_database_url,
         config.ingress_pool_size,
     )
+    # The node's Prometheus registry and its counters (ADR 0010), shared by the scheduler
+    # steps and the ingress.
+    metrics_registry = providers.Singleton(node_registry, cluster.store)
+    metrics = providers.Callable(operator.itemgetter(1), metrics_registry)
     ingress_commands = providers.Singleton(
         WorkerCommands,
         uow_factory=ingress_store.provided.unit_of_work,
         identities=providers.Singleton(RandomIdentities),
         lease_ttl_ms=providers.Callable(seconds_to_ms, config.lease_ttl_s),
+        metrics=metrics,
     )
     heartbeat_interval_ms = providers.Callable(heartbeat_interval_ms, config.lease_ttl_s)
 
@@ -154,6 +162,7 @@ def build(store: Any | None = None, **settings: Any) -> NodeContainer:
     when a PostgreSQL ``database_url`` is given too."""
     container = NodeContainer()
     container.config.from_dict({**NODE_DEFAULTS, **settings})
+    container.cluster.metrics.override(container.metrics)
     if store is not None:
         container.cluster.store.override(providers.Object(store))
         container.ingress_store.override(providers.Object(store))
@@ -195,7 +204,7 @@ def create_node_app(
             await asyncio.to_thread(lifecycle.stop, STOP_TIMEOUT_S)
             close_stores(container)
 
-    return create_app(
+    app = create_app(
         container.ingress_commands(),
         signal=claims,
         max_body_bytes=container.config.max_body_bytes(),
@@ -204,6 +213,8 @@ def create_node_app(
         on_attempts_ended=lifecycle.wake,
         lifespan=lifespan,
     )
+    app.include_router(metrics_routes(container.metrics_registry()[0]))
+    return app
 
 
 class NodeServer(uvicorn.Server):

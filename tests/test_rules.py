@@ -22,6 +22,7 @@ from adapters.memory import FakeClock, MemoryStore
 from application.budgets import InvalidPageSize
 from application.diagnosis import CandidateFailed
 from application.lost_retry import LostRetry
+from application.ports import NO_METRICS
 from application.recovery import RuntimeRecovery
 from application.scheduler import (
     ClusterSchedulerCoordinator,
@@ -452,10 +453,10 @@ def test_rule_4_coordinator_holds_only_its_collaborators() -> None:
     coordinator = svc.coordinator
     assert not hasattr(coordinator, "__dict__")
     slots = [s for cls in type(coordinator).__mro__ for s in getattr(cls, "__slots__", ())]
-    assert sorted(slots) == ["_gate", "_inner", "_lost_retry", "_recovery"]
+    assert sorted(slots) == ["_gate", "_inner", "_lost_retry", "_metrics", "_recovery"]
     values = [getattr(coordinator, s) for s in slots]
     assert {id(v) for v in values} == {
-        id(svc.recovery), id(svc.lost_retry), id(svc.inner), id(svc.gate)
+        id(svc.recovery), id(svc.lost_retry), id(svc.inner), id(svc.gate), id(NO_METRICS)
     }
     forbidden = (type(threading.Lock()), type(threading.RLock()), threading.Thread,
                  threading.Timer, threading.Condition, threading.Event, dict, list, set)
