@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
+from typing import Protocol
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from application.ports import OperationsSource, OperationsView
@@ -221,3 +222,57 @@ def node_registry(source: OperationsSource) -> tuple[CollectorRegistry, Promethe
     metrics = PrometheusMetrics(registry)
     registry.register(OperationsCollector(source))
     return registry, metrics
+
+
+class WorkerCollector(Collector):
+    """A worker process's metrics, read from its ledger on each scrape (``ql3 worker
+    --metrics-port``): what it finished, abandoned and handed back, what it holds, its slots."""
+
+    def __init__(self, worker: WorkerState) -> None:
+        self._worker = worker
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        ledger = self._worker.ledger
+        for name, doc, value in (
+            ("ql3_worker_completed", "Attempts this worker completed.", ledger.completed),
+            ("ql3_worker_abandoned", "Attempts this worker abandoned.", ledger.abandoned),
+            ("ql3_worker_released", "Attempts this worker handed back.", ledger.released),
+        ):
+            counter = CounterMetricFamily(name, doc)
+            counter.add_metric([], value)
+            yield counter
+        for name, doc, gauge_value in (
+            ("ql3_worker_holding", "Attempts this worker holds.", len(ledger.held_ids())),
+            ("ql3_worker_slots_free", "Execution slots free.", ledger.free_slots),
+            ("ql3_worker_slots_live", "Execution slots alive.", ledger.live_slots),
+        ):
+            gauge = GaugeMetricFamily(name, doc)
+            gauge.add_metric([], gauge_value)
+            yield gauge
+
+
+class WorkerLedger(Protocol):
+    completed: int
+    abandoned: int
+    released: int
+
+    def held_ids(self) -> tuple[str, ...]: ...
+
+    @property
+    def free_slots(self) -> int: ...
+
+    @property
+    def live_slots(self) -> int: ...
+
+
+class WorkerState(Protocol):
+    @property
+    def ledger(self) -> WorkerLedger: ...
+
+
+def serve_worker_metrics(worker: WorkerState, host: str, port: int) -> CollectorRegistry:
+    """Serve a worker's metrics at ``http://host:port/metrics`` from a daemon thread."""
+    registry = CollectorRegistry()
+    registry.register(WorkerCollector(worker))
+    start_http_server(port, addr=host, registry=registry)
+    return registry

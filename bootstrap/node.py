@@ -110,7 +110,17 @@ def log_cycle(summary: CycleSummary) -> None:
     """One line per cycle that failed or changed recovery state; quiet otherwise."""
     if not summary.ok:
         step = summary.step(summary.aborted_at or "")
-        log.error("cycle aborted at %s: %s", summary.aborted_at, step.error if step else "")
+        candidate = step.candidate if step else None
+        log.error(
+            "cycle aborted at %s: %s",
+            summary.aborted_at,
+            step.error if step else "",
+            extra={
+                "step": summary.aborted_at,
+                "run_id": candidate.run_id if candidate else None,
+                "attempt_id": candidate.attempt_id if candidate else None,
+            },
+        )
         return
     notes = []
     for name, keys in NOTEWORTHY.items():
@@ -262,6 +272,7 @@ def serve(
     access_log: bool = False,
     log_level: str = "info",
     run_startup_recovery: bool = True,
+    own_log_config: bool = True,
 ) -> bool:
     """Serve until SIGTERM/SIGINT. Returns False when the node could not start."""
     app = create_node_app(container, on_ready=on_ready, run_startup_recovery=run_startup_recovery)
@@ -270,6 +281,9 @@ def serve(
         lifespan="on",
         access_log=access_log,  # method, path and status only: no secret is in a URL
         log_level=log_level,
+        # Without its own config uvicorn logs through the root logger (its format, its
+        # redaction: ``--log-format json``).
+        log_config=uvicorn.config.LOGGING_CONFIG if own_log_config else None,
         server_header=False,
         timeout_graceful_shutdown=STOP_TIMEOUT_S,
     )

@@ -20,10 +20,25 @@ def _postgres_url(url: str) -> str:
     return url
 
 
-def _configure_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), format=LOG_FORMAT, stream=sys.stderr)
-    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
-    logging.getLogger("httpcore").setLevel(max(logging.WARNING, logging.getLogger().level))
+def _configure_logging(
+    level: str,
+    log_format: str = "text",
+    context: dict[str, str] | None = None,
+    secrets: tuple[str | None, ...] = (),
+) -> None:
+    from adapters import logs
+
+    logs.configure(level, log_format, context=context, secrets=secrets)
+
+
+log_format_option = click.option(
+    "--log-format",
+    type=click.Choice(["text", "json"]),
+    default="text",
+    show_default=True,
+    help="json: one JSON object per line, with run_id, attempt_id, worker_id and step fields "
+    "where they apply.",
+)
 
 
 @click.command()
@@ -64,6 +79,7 @@ def _configure_logging(level: str) -> None:
     default="info",
     show_default=True,
 )
+@log_format_option
 def serve(
     host: str,
     port: int,
@@ -74,6 +90,7 @@ def serve(
     ingress_database_url: str | None,
     access_log: bool,
     log_level: str,
+    log_format: str,
 ) -> None:
     """Run a cluster node: the scheduler cadence and the worker ingress in one process.
 
@@ -88,7 +105,12 @@ def serve(
     ingress_url = ingress_database_url or os.environ.get("QL3_INGRESS_DATABASE_URL")
     if ingress_url:
         ingress_url = _postgres_url(_database_url(ingress_url))
-    _configure_logging(log_level)
+    from adapters.logs import url_password
+
+    token = os.environ.get("QL3_REGISTRATION_TOKEN") or None
+    _configure_logging(
+        log_level, log_format, secrets=(token, url_password(url), url_password(ingress_url))
+    )
     container = node.build(
         database_url=url,
         ingress_database_url=ingress_url,
@@ -116,6 +138,7 @@ def serve(
             access_log=access_log,
             log_level=log_level,
             run_startup_recovery=False,
+            own_log_config=log_format == "text",
         )
     finally:
         sock.close()
@@ -170,6 +193,14 @@ def serve(
     default="info",
     show_default=True,
 )
+@click.option(
+    "--metrics-port",
+    type=click.IntRange(0, 65535),
+    default=None,
+    help="Serve Prometheus metrics at http://HOST:PORT/metrics.",
+)
+@click.option("--metrics-host", default="127.0.0.1", show_default=True)
+@log_format_option
 def worker(
     ingress_url: str,
     app_spec: str,
@@ -179,6 +210,9 @@ def worker(
     poll_interval: float | None,
     register_timeout: float,
     log_level: str,
+    metrics_port: int | None,
+    metrics_host: str,
+    log_format: str,
 ) -> None:
     """Run tasks from a node's ingress: claim work for the free slots, run each task in its
     slot's child process, report it. SIGTERM (or ^C) drains: no new work, running tasks
@@ -197,7 +231,8 @@ def worker(
         tasks = load_app(app_spec)
     except AppLoadError as error:
         raise click.BadParameter(str(error), param_hint="--app") from None
-    _configure_logging(log_level)
+    token = os.environ.get("QL3_REGISTRATION_TOKEN") or None
+    _configure_logging(log_level, log_format, context={"worker_id": worker_id}, secrets=(token,))
     settings = WorkerSettings(
         ingress_url=ingress_url,
         app_spec=app_spec,
@@ -210,6 +245,10 @@ def worker(
         registration_token=os.environ.get("QL3_REGISTRATION_TOKEN") or None,
     )
     runner = Worker(settings)
+    if metrics_port is not None:
+        from adapters.prometheus import serve_worker_metrics
+
+        serve_worker_metrics(runner, metrics_host, metrics_port)
     signals = 0
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:
