@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from application.admission import UnknownRun
 from application.ports import (
     HARD_PAGE_CAP,
+    NodeCycle,
     OperationsSource,
     OperationsView,
     StepFailure,
@@ -78,9 +79,35 @@ def failure_details(failure: StepFailure) -> dict[str, JsonValue]:
     }
 
 
+# A node records its cycle at least every 10 s while it cycles (``NodeHeartbeat``).
+NODE_SILENT_AFTER_MS = 60_000
+
+
+def node_dict(node: NodeCycle) -> dict[str, JsonValue]:
+    return {
+        "node_id": node.node_id,
+        "ok": node.ok,
+        "aborted_at": node.aborted_at,
+        "cycles": node.cycles,
+        "started_at_ms": node.started_at_ms,
+        "last_cycle_at_ms": node.last_cycle_at_ms,
+    }
+
+
 def diagnose(view: OperationsView) -> tuple[Finding, ...]:
     """What an operator should look at, most urgent first."""
     findings: list[Finding] = []
+    latest = max((n.last_cycle_at_ms or 0 for n in view.nodes), default=None)
+    silent_ms = view.observed_at_ms - latest if latest is not None else 0
+    if silent_ms > NODE_SILENT_AFTER_MS:
+        findings.append(
+            Finding(
+                problem=True,
+                what=f"no node has run a scheduler cycle for {silent_ms // 1000} s",
+                advice="start `ql3 serve`, or look at why its cadence stopped",
+                details={"last_cycle_at_ms": latest},
+            )
+        )
     gate, failure = view.gate, view.gate.failure
     if failure is not None:
         findings.append(

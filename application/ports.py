@@ -367,6 +367,25 @@ class EvidenceWaits:
 
 
 @dataclass(frozen=True, slots=True)
+class NodeCycle:
+    """A scheduler node's last cycle as it recorded it: when it ended (``last_cycle_at_ms``,
+    the store's clock; None when recording), whether it succeeded or which step ended it, and
+    how many cycles the node has run."""
+
+    node_id: str
+    ok: bool
+    aborted_at: str | None
+    cycles: int
+    started_at_ms: int | None = None
+    last_cycle_at_ms: int | None = None
+
+
+class NodeRegistry(Protocol):
+    def record_node_cycle(self, cycle: NodeCycle) -> None:
+        """Replace the node's row (its start time is kept), in a transaction of its own."""
+
+
+@dataclass(frozen=True, slots=True)
 class OperationsView:
     """What ``ql3 status``, ``ql3 doctor`` and the metrics read, each part by a query whose
     cost follows the live work, never the finished history (ADR 0010). ``quarantined`` holds
@@ -379,12 +398,14 @@ class OperationsView:
     sessions: tuple[SessionCapacity, ...]
     quarantined: tuple[Run, ...]
     quarantined_count: int
+    nodes: tuple[NodeCycle, ...] = ()
 
 
 class OperationsSource(Protocol):
     def operations_view(self, limit: int) -> OperationsView:
         """One consistent read of the operations view, listing at most ``limit`` quarantined
-        Runs (oldest quarantine first) and the open (active or draining) sessions."""
+        Runs (oldest quarantine first) and nodes (latest cycle first), and the open (active
+        or draining) sessions."""
 
 
 class TriggerSource(Protocol):
@@ -475,7 +496,7 @@ class RuntimeStore(
 
 
 class SchedulerStore(
-    RuntimeStore, TriggerSource, WorkflowFrontierSource, OperationsSource, Protocol
+    RuntimeStore, TriggerSource, WorkflowFrontierSource, OperationsSource, NodeRegistry, Protocol
 ):
     """A runtime store with everything the whole cadence needs, trigger schedule and workflow
     frontier included. Every store a profile runs on (memory, PostgreSQL, SQLite) implements it;

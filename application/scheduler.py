@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from application.diagnosis import CandidateFailed, FailingCandidate, describe
-from application.ports import NO_METRICS, Metrics
+from application.ports import NO_METRICS, Metrics, NodeCycle, NodeRegistry
 
 
 class StepReport(Protocol):
@@ -221,6 +221,41 @@ def report_cycle(metrics: Metrics, summary: CycleSummary, step_names: tuple[str,
         else:
             metrics.step_finished(name, "ok" if step.ok else "failed", step.seconds)
     metrics.cycle_finished(summary.ok)
+
+
+class NodeHeartbeat:
+    """A cycle listener that records this node's last cycle in the store (``ql3 status``):
+    after the first cycle, whenever the outcome changes, and otherwise at most every
+    ``every_s`` seconds, so that an idle cycle costs no statement for it (ADR 0010). A failed
+    write is tried again after the next cycle."""
+
+    def __init__(self, registry: NodeRegistry, node_id: str, every_s: float = 10.0) -> None:
+        self._registry = registry
+        self._node_id = node_id
+        self._every_s = every_s
+        self._cycles = 0
+        self._last: tuple[bool, str | None] | None = None
+        self._written_at: float | None = None
+
+    def __call__(self, summary: CycleSummary) -> None:
+        self._cycles += 1
+        outcome = (summary.ok, summary.aborted_at)
+        now = time.monotonic()
+        if (
+            outcome == self._last
+            and self._written_at is not None
+            and now - self._written_at < self._every_s
+        ):
+            return
+        self._registry.record_node_cycle(
+            NodeCycle(
+                node_id=self._node_id,
+                ok=summary.ok,
+                aborted_at=summary.aborted_at,
+                cycles=self._cycles,
+            )
+        )
+        self._last, self._written_at = outcome, now
 
 
 class Coordinator(Protocol):

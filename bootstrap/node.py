@@ -19,8 +19,10 @@ store of the tests), the end of every scheduler cycle wakes them instead."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import operator
+import os
 import signal
 import socket
 from collections.abc import AsyncIterator, Callable
@@ -41,7 +43,12 @@ from adapters.http import (
 from adapters.http.metrics import metrics_routes
 from adapters.prometheus import node_registry
 from application.identities import RandomIdentities
-from application.scheduler import ClusterSchedulerLifecycle, CycleListener, CycleSummary
+from application.scheduler import (
+    ClusterSchedulerLifecycle,
+    CycleListener,
+    CycleSummary,
+    NodeHeartbeat,
+)
 from application.worker_commands import WorkerCommands
 from bootstrap.cluster import CLUSTER_DEFAULTS, ClusterContainer, open_postgres_store
 from bootstrap.core import seconds_to_ms
@@ -57,6 +64,7 @@ NODE_DEFAULTS: dict[str, object] = {
     "ingress_pool_size": 8,
     "max_body_bytes": DEFAULT_MAX_BODY_BYTES,
     "registration_token": None,
+    "node_id": None,
 }
 STOP_TIMEOUT_S = 30
 # The counts that make a cycle worth a log line: what recovery and lost retry changed.
@@ -94,14 +102,22 @@ def open_dispatch_listener(
     return DispatchListener(database_url, claims.wake)
 
 
-def end_of_cycle(claims: ClaimSignal, listener: DispatchListener | None) -> CycleListener:
+def end_of_cycle(
+    claims: ClaimSignal,
+    listener: DispatchListener | None,
+    heartbeat: CycleListener | None = None,
+) -> CycleListener:
     """What the node does after each scheduler cycle: log it, and wake the parked claims
-    unless the LISTEN connection is up (then NOTIFY wakes them as soon as work is queued)."""
+    unless the LISTEN connection is up (then NOTIFY wakes them as soon as work is queued);
+    record it now and then for ``ql3 status`` (``heartbeat``)."""
 
     def on_cycle(summary: CycleSummary) -> None:
         log_cycle(summary)
         if listener is None or not listener.connected:
             claims.wake()
+        if heartbeat is not None:
+            with contextlib.suppress(Exception):  # the next cycle tries again
+                heartbeat(summary)
 
     return on_cycle
 
@@ -144,7 +160,12 @@ class NodeContainer(containers.DeclarativeContainer):
         ClusterSchedulerLifecycle,
         coordinator=cluster.coordinator,
         cadence_s=config.cadence_s,
-        on_cycle=providers.Callable(end_of_cycle, claim_signal, dispatch_listener),
+        on_cycle=providers.Callable(
+            end_of_cycle,
+            claim_signal,
+            dispatch_listener,
+            providers.Singleton(NodeHeartbeat, cluster.store, config.node_id),
+        ),
     )
     ingress_store = providers.Singleton(
         open_ingress_store,
@@ -171,7 +192,9 @@ def build(store: Any | None = None, **settings: Any) -> NodeContainer:
     the scheduler and the ingress share it, and the node listens for dispatch wake-ups only
     when a PostgreSQL ``database_url`` is given too."""
     container = NodeContainer()
-    container.config.from_dict({**NODE_DEFAULTS, **settings})
+    container.config.from_dict(
+        {**NODE_DEFAULTS, "node_id": f"{socket.gethostname()}-{os.getpid()}", **settings}
+    )
     container.cluster.metrics.override(container.metrics)
     if store is not None:
         container.cluster.store.override(providers.Object(store))

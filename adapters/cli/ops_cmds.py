@@ -16,6 +16,7 @@ from application.operations import (
     Quarantines,
     diagnose,
     failure_details,
+    node_dict,
     quarantined_dict,
 )
 from application.ports import HARD_PAGE_CAP, OperationsView, SessionCapacity
@@ -138,6 +139,7 @@ def status_document(view: OperationsView) -> dict[str, JsonValue]:
     gate = view.gate
     return {
         "observed_at_ms": view.observed_at_ms,
+        "nodes": [node_dict(n) for n in view.nodes],
         "gate": {
             "open": gate.open,
             "reason": gate.reason,
@@ -166,7 +168,13 @@ def status_command(database_url: str | None, as_json: bool) -> None:
     with _container(database_url) as container:
         view = container.store().operations_view(HARD_PAGE_CAP)
     now, gate = view.observed_at_ms, view.gate
-    lines = [
+    lines = [f"nodes        {len(view.nodes)}"]
+    lines += [
+        f"  {n.node_id:<32} last cycle {_age(now, n.last_cycle_at_ms)} ago,"
+        f" {'ok' if n.ok else 'aborted at ' + (n.aborted_at or '?')}, {n.cycles} cycle(s)"
+        for n in view.nodes
+    ]
+    lines += [
         f"gate         {'open' if gate.open else 'CLOSED'} since {_iso(gate.changed_at_ms)}"
         + (f": {gate.reason}" if gate.reason and not gate.open else "")
     ]

@@ -34,6 +34,7 @@ from application.ports import (
     DueTrigger,
     EvidenceRepository,
     EvidenceWaits,
+    NodeCycle,
     OperationsView,
     Page,
     QueueDepth,
@@ -566,6 +567,7 @@ class MemoryStore:
         self._state = _State()
         self._active: MemoryUnitOfWork | None = None
         self._closed = False
+        self._nodes: dict[str, NodeCycle] = {}
 
     # transactions
 
@@ -618,7 +620,15 @@ class MemoryStore:
             items = tuple(candidate for _, candidate in ranked[: limit + 1])
             return Page(items=items[:limit], has_more=len(items) > limit, observed_at_ms=now)
 
-    # OperationsSource
+    # NodeRegistry and OperationsSource
+
+    def record_node_cycle(self, cycle: NodeCycle) -> None:
+        with self._lock:
+            self._require_open()
+            now = self.clock.now_ms()
+            before = self._nodes.get(cycle.node_id)
+            started = before.started_at_ms if before is not None else now
+            self._nodes[cycle.node_id] = replace(cycle, started_at_ms=started, last_cycle_at_ms=now)
 
     def operations_view(self, limit: int) -> OperationsView:
         check_page_limit(limit)
@@ -662,6 +672,12 @@ class MemoryStore:
                 ),
                 quarantined=tuple(quarantined[:limit]),
                 quarantined_count=len(quarantined),
+                nodes=tuple(
+                    sorted(
+                        self._nodes.values(),
+                        key=lambda n: (-(n.last_cycle_at_ms or 0), n.node_id),
+                    )[:limit]
+                ),
             )
 
     # LostRetryCandidateSource

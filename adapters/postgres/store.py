@@ -63,6 +63,7 @@ from application.ports import (
     DispatchGateRepository,
     DueTrigger,
     EvidenceRepository,
+    NodeCycle,
     OperationsView,
     Page,
     RecoveryCandidate,
@@ -622,6 +623,12 @@ class PostgresStore:
 
     def due_triggers(self, limit: int) -> Page[DueTrigger]:
         return trigger_pages.due_triggers(self, limit)
+
+    def record_node_cycle(self, cycle: NodeCycle) -> None:
+        now = queries.store_now(self._clock_offset_ms)
+        with self.engine.begin() as connection:
+            if connection.execute(operations.update_node(cycle, now)).rowcount == 0:
+                connection.execute(operations.insert_node(cycle, now))
 
     def operations_view(self, limit: int) -> OperationsView:
         """Read in one read-only snapshot, on demand (never on the cadence)."""

@@ -9,13 +9,31 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from sqlalchemy import ColumnElement, Select, and_, func, not_, select
+from sqlalchemy import (
+    ColumnElement,
+    Insert,
+    Select,
+    Update,
+    and_,
+    func,
+    insert,
+    not_,
+    select,
+    update,
+)
 
 from adapters.sql import rows, statements
-from adapters.sql.schema import run_attempts, run_dispatch_leases, runs, worker_sessions
+from adapters.sql.schema import (
+    run_attempts,
+    run_dispatch_leases,
+    runs,
+    scheduler_nodes,
+    worker_sessions,
+)
 from adapters.sql.statements import Spelling
 from application.ports import (
     EvidenceWaits,
+    NodeCycle,
     OperationsView,
     QueueDepth,
     SessionCapacity,
@@ -100,6 +118,46 @@ def quarantined_count(spelling: Spelling) -> Select:
     return select(func.count()).select_from(runs).where(_quarantined(spelling))
 
 
+def latest_nodes(limit: int) -> Select:
+    """The nodes by their last cycle, latest first (a handful of rows, one per node id)."""
+    n = scheduler_nodes.c
+    return select(scheduler_nodes).order_by(n.last_cycle_at.desc(), n.id).limit(limit)
+
+
+def _node_values(cycle: NodeCycle, now: ColumnElement[int] | int) -> dict[str, object]:
+    return {
+        "last_cycle_at": now,
+        "last_ok": cycle.ok,
+        "aborted_at": cycle.aborted_at,
+        "cycles": cycle.cycles,
+    }
+
+
+def update_node(cycle: NodeCycle, now: ColumnElement[int] | int) -> Update:
+    return (
+        update(scheduler_nodes)
+        .where(scheduler_nodes.c.id == cycle.node_id)
+        .values(_node_values(cycle, now))
+    )
+
+
+def insert_node(cycle: NodeCycle, now: ColumnElement[int] | int) -> Insert:
+    return insert(scheduler_nodes).values(
+        id=cycle.node_id, started_at=now, **_node_values(cycle, now)
+    )
+
+
+def node_from_row(row: rows.Row) -> NodeCycle:
+    return NodeCycle(
+        node_id=row["id"],
+        ok=bool(row["last_ok"]),
+        aborted_at=row["aborted_at"],
+        cycles=int(row["cycles"]),
+        started_at_ms=int(row["started_at"]),
+        last_cycle_at_ms=int(row["last_cycle_at"]),
+    )
+
+
 def operations_view(
     execute: Execute,
     *,
@@ -123,6 +181,7 @@ def operations_view(
         rows.run_from_row(row) for row in execute(quarantined_runs(limit, spelling))
     )
     (count,) = execute(quarantined_count(spelling))
+    nodes = tuple(node_from_row(row) for row in execute(latest_nodes(limit)))
     return OperationsView(
         observed_at_ms=observed_at_ms,
         gate=gate,
@@ -134,4 +193,5 @@ def operations_view(
         sessions=sessions,
         quarantined=quarantined,
         quarantined_count=int(next(iter(count.values()))),
+        nodes=nodes,
     )

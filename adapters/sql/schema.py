@@ -467,6 +467,24 @@ dispatch_gate = Table(
     CheckConstraint(f"id = {DISPATCH_GATE_ID}", name="one_row"),
 )
 
+# --- scheduler nodes ----------------------------------------------------------------------------
+#
+# One row per node id: when its last cycle ended and how (ADR 0010), written by the node after a
+# cycle at most every few seconds (and whenever the outcome changes), never by the cycle itself.
+
+scheduler_nodes = Table(
+    "scheduler_nodes",
+    metadata,
+    Column("id", identifier(), nullable=False),
+    Column("started_at", EpochMillis(), nullable=False),
+    Column("last_cycle_at", EpochMillis(), nullable=False),
+    Column("last_ok", Boolean(), nullable=False),
+    Column("aborted_at", Text(), nullable=True),
+    Column("cycles", BigInteger(), nullable=False),
+    PrimaryKeyConstraint("id", name="pk_scheduler_nodes"),
+    CheckConstraint("cycles >= 0", name="cycles"),
+)
+
 # --- triggers and workflows ----------------------------------------------------------------------
 #
 # Run templates (the policy of a trigger or a workflow step) are JSON documents
@@ -583,4 +601,5 @@ ALL_TABLES = (
     trigger_firings,
     workflow_steps,
     dispatch_gate,
+    scheduler_nodes,
 )

@@ -12,8 +12,9 @@ import pytest
 from application.admission import UnknownRun
 from application.diagnosis import FailingCandidate
 from application.dispatch import DispatchGateStep
-from application.operations import Quarantines, diagnose
-from application.ports import HARD_PAGE_CAP
+from application.operations import NODE_SILENT_AFTER_MS, Quarantines, diagnose
+from application.ports import HARD_PAGE_CAP, NodeCycle
+from application.scheduler import CycleSummary, NodeHeartbeat
 from domain.errors import InvalidAdmission, InvalidTransition
 from domain.events import EventType
 from domain.model import EvidenceKind, RunStatus
@@ -168,3 +169,41 @@ def test_a_gate_closed_on_one_candidate_keeps_its_streak(store: Any, advance: Ad
     gate.close("runtime_recovery failed: database gone")  # no candidate: no streak
     closed = store.dispatch_gate()
     assert not closed.open and closed.failure is None
+
+
+def test_nodes_record_their_last_cycle(store: Any, advance: Advance) -> None:
+    store.record_node_cycle(NodeCycle(node_id="n1", ok=True, aborted_at=None, cycles=1))
+    (first,) = store.operations_view(HARD_PAGE_CAP).nodes
+    assert first.started_at_ms is not None and first.started_at_ms == first.last_cycle_at_ms
+    advance(5_000)
+    store.record_node_cycle(NodeCycle(node_id="n1", ok=False, aborted_at="lost_retry", cycles=7))
+    advance(5_000)
+    store.record_node_cycle(NodeCycle(node_id="n2", ok=True, aborted_at=None, cycles=1))
+    view = store.operations_view(HARD_PAGE_CAP)
+    assert [n.node_id for n in view.nodes] == ["n2", "n1"]
+    n1 = view.nodes[1]
+    assert (n1.ok, n1.aborted_at, n1.cycles) == (False, "lost_retry", 7)
+    assert n1.started_at_ms == first.started_at_ms
+    assert n1.last_cycle_at_ms is not None and n1.last_cycle_at_ms > first.started_at_ms
+    assert not [f for f in diagnose(view) if f.problem]
+    advance(NODE_SILENT_AFTER_MS + 1_000)
+    (silent, *_) = diagnose(store.operations_view(HARD_PAGE_CAP))
+    assert silent.problem and "no node has run a scheduler cycle" in silent.what
+
+
+def test_a_node_heartbeat_writes_on_change_and_now_and_then(store: Any) -> None:
+    written: list[NodeCycle] = []
+
+    class Registry:
+        def record_node_cycle(self, cycle: NodeCycle) -> None:
+            written.append(cycle)
+            store.record_node_cycle(cycle)
+
+    heartbeat = NodeHeartbeat(Registry(), "n1", every_s=3600)
+    good = CycleSummary(steps=())
+    bad = CycleSummary(steps=(), aborted_at="lost_retry")
+    for summary in (good, good, good, bad, bad, good):
+        heartbeat(summary)
+    assert [(c.ok, c.cycles) for c in written] == [(True, 1), (False, 4), (True, 6)]
+    (node,) = store.operations_view(HARD_PAGE_CAP).nodes
+    assert (node.node_id, node.cycles, node.ok) == ("n1", 6, True)

@@ -193,7 +193,10 @@ def test_json_logs_metrics_status_and_doctor_after_a_worker_is_killed(
 
     status = json_cluster.ql3("status", "--json")
     assert status.returncode == 0, status.stderr
-    assert [w["worker_id"] for w in json.loads(status.stdout)["workers"]] == ["w-json"]
+    document = json.loads(status.stdout)
+    assert [w["worker_id"] for w in document["workers"]] == ["w-json"]
+    (recorded,) = document["nodes"]
+    assert recorded["ok"] and recorded["cycles"] >= 1
     doctor = json_cluster.ql3("doctor")
     assert doctor.returncode == 0, doctor.stdout + doctor.stderr
 

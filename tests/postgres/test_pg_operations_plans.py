@@ -31,6 +31,7 @@ QUERIES: dict[str, Callable[[], Any]] = {
     "open_sessions": lambda: operations.open_sessions(POSTGRES),
     "quarantined_runs": lambda: operations.quarantined_runs(HARD_PAGE_CAP, POSTGRES),
     "quarantined_count": lambda: operations.quarantined_count(POSTGRES),
+    "latest_nodes": lambda: operations.latest_nodes(HARD_PAGE_CAP),
 }
 
 

@@ -79,6 +79,7 @@ from application.ports import (
     DispatchGateRepository,
     DueTrigger,
     EvidenceRepository,
+    NodeCycle,
     OperationsView,
     Page,
     RecoveryCandidate,
@@ -595,6 +596,13 @@ class SqliteStore:
         )
         return Page(items=items[:limit], has_more=len(items) > limit, observed_at_ms=now)
 
+    def record_node_cycle(self, cycle: NodeCycle) -> None:
+        with self._transaction() as connection:
+            now = self.now_ms()
+            if connection.execute(operations.update_node(cycle, now)).rowcount == 0:
+                connection.execute(operations.insert_node(cycle, now))
+            connection.commit()
+
     def operations_view(self, limit: int) -> OperationsView:
         """Read in one read transaction, on demand (never on the cadence)."""
         check_page_limit(limit)
@@ -689,9 +697,11 @@ def _add_missing_columns(connection: Connection, names: Sequence[str]) -> None:
 def upgrade_from_version_2(connection: Connection) -> None:
     """Version 2 to 3, inside the caller's write transaction: the quarantine columns of
     ``runs`` and the failing candidate's of ``dispatch_gate`` (nullable, added in place),
-    ``run_events`` rebuilt for the quarantine event types, ``ix_runs_quarantined``."""
+    ``run_events`` rebuilt for the quarantine event types, ``ix_runs_quarantined``,
+    ``scheduler_nodes``."""
     _add_missing_columns(connection, _WIDENED_IN_VERSION_3)
     _rebuild(connection, _REBUILT_IN_VERSION_3, 2)
+    metadata.create_all(connection)  # the tables that are missing: the scheduler nodes
     _create_missing_indexes(connection)
 
 

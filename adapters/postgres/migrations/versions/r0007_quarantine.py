@@ -6,6 +6,7 @@ runtime recovery or lost-retry step is stuck on.
 - ``dispatch_gate.failed_*`` (nullable): the step, Run, Attempt, error, first failure and number
   of failed cycles in a row of the candidate the closed gate is waiting on.
 - ``ck_run_events_type`` takes ``run_quarantined`` and ``run_unquarantined``.
+- ``scheduler_nodes``: each node's last cycle, its outcome and how many it ran.
 
 Nothing here changes what the ingress role may do: it neither reads nor writes these columns.
 
@@ -62,9 +63,21 @@ def upgrade() -> None:
         op.add_column("dispatch_gate", sa.Column(name, kind, nullable=True))
     op.drop_constraint(op.f("ck_run_events_type"), "run_events", type_="check")
     op.create_check_constraint(op.f("ck_run_events_type"), "run_events", _EVENT_TYPES_AFTER)
+    op.create_table(
+        "scheduler_nodes",
+        sa.Column("id", sa.Text(collation="C"), nullable=False),
+        sa.Column("started_at", sa.DateTime(timezone=True), nullable=False),
+        sa.Column("last_cycle_at", sa.DateTime(timezone=True), nullable=False),
+        sa.Column("last_ok", sa.Boolean(), nullable=False),
+        sa.Column("aborted_at", sa.Text(), nullable=True),
+        sa.Column("cycles", sa.BigInteger(), nullable=False),
+        sa.PrimaryKeyConstraint("id", name=op.f("pk_scheduler_nodes")),
+        sa.CheckConstraint("cycles >= 0", name=op.f("ck_scheduler_nodes_cycles")),
+    )
 
 
 def downgrade() -> None:
+    op.drop_table("scheduler_nodes")
     op.execute("DELETE FROM run_events WHERE type IN ('run_quarantined', 'run_unquarantined')")
     op.drop_constraint(op.f("ck_run_events_type"), "run_events", type_="check")
     op.create_check_constraint(op.f("ck_run_events_type"), "run_events", _EVENT_TYPES_BEFORE)
