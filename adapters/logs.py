@@ -16,6 +16,7 @@ import logging
 import re
 import sys
 from collections.abc import Iterable, Mapping
+from typing import TextIO
 
 from sqlalchemy.engine import make_url
 
@@ -91,11 +92,13 @@ def configure(
     *,
     context: Mapping[str, str] | None = None,
     secrets: Iterable[str | None] = (),
+    stream: TextIO | None = None,
 ) -> logging.Handler:
-    """One handler on stderr for the root logger, in ``log_format``, behind a redactor."""
+    """One handler on ``stream`` (stderr) for the root logger, in ``log_format``, behind a
+    redactor."""
     if log_format not in FORMATS:
         raise ValueError(f"log format must be one of {', '.join(FORMATS)}")
-    handler = logging.StreamHandler(sys.stderr)
+    handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
     handler.addFilter(Redactor(secrets))
     if log_format == "json":
         handler.setFormatter(JsonFormatter(context))
