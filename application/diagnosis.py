@@ -32,11 +32,11 @@ class CandidateFailed(Exception):
     """A step's resolution of one candidate raised ``__cause__``."""
 
     def __init__(self, step: str, run_id: str, attempt_id: str | None, error: BaseException):
+        # The first line names the error; a driver's further lines (its SQL, a link) would
+        # only crowd the gate and ``ql3 doctor``.
+        first_line = (describe(error).splitlines() or [""])[0]
         self.candidate = FailingCandidate(
-            step=step,
-            run_id=run_id,
-            attempt_id=attempt_id,
-            error=describe(error)[:MAX_ERROR_LENGTH],
+            step=step, run_id=run_id, attempt_id=attempt_id, error=first_line[:MAX_ERROR_LENGTH]
         )
         super().__init__(f"{step} failed on run {run_id}: {self.candidate.error}")
 

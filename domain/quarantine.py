@@ -13,7 +13,7 @@ from attrs import evolve
 
 from domain.errors import InvalidAdmission, InvalidTransition
 from domain.events import EventType, RunEvent
-from domain.model import Quarantine, Run, RunOwner
+from domain.model import JsonValue, Quarantine, Run, RunOwner
 from domain.states import QUARANTINABLE_RUN_STATUSES
 from domain.transitions import Change, storable_text
 
@@ -40,18 +40,7 @@ def quarantine(*, run: Run, reason: str, now_ms: int) -> Change:
     if run.quarantine is not None:
         raise InvalidTransition("run", run.id, "quarantined", "be quarantined again")
     new_run = evolve(run, quarantine=Quarantine(reason=text, since_ms=now_ms))
-    return Change(
-        run=new_run,
-        attempts=(),
-        lease=None,
-        event=RunEvent(
-            run_id=run.id,
-            attempt_id=None,
-            type=EventType.RUN_QUARANTINED,
-            at_ms=now_ms,
-            data={"reason": text, "status": run.status.value},
-        ),
-    )
+    return _flagged(new_run, EventType.RUN_QUARANTINED, now_ms, {"reason": text})
 
 
 def unquarantine(*, run: Run, reason: str, now_ms: int) -> Change:
@@ -60,19 +49,21 @@ def unquarantine(*, run: Run, reason: str, now_ms: int) -> Change:
     if run.quarantine is None:
         raise InvalidTransition("run", run.id, run.status.value, "leave a quarantine it is not in")
     new_run = evolve(run, quarantine=None)
+    data: dict[str, JsonValue] = {"reason": text, "quarantined_since_ms": run.quarantine.since_ms}
+    return _flagged(new_run, EventType.RUN_UNQUARANTINED, now_ms, data)
+
+
+def _flagged(run: Run, event_type: EventType, now_ms: int, data: dict[str, JsonValue]) -> Change:
+    """The change of a Run's flag: no Attempt or lease, one event naming the Run's status."""
     return Change(
-        run=new_run,
+        run=run,
         attempts=(),
         lease=None,
         event=RunEvent(
             run_id=run.id,
             attempt_id=None,
-            type=EventType.RUN_UNQUARANTINED,
+            type=event_type,
             at_ms=now_ms,
-            data={
-                "reason": text,
-                "status": run.status.value,
-                "quarantined_since_ms": run.quarantine.since_ms,
-            },
+            data={**data, "status": run.status.value},
         ),
     )

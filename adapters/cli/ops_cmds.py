@@ -11,6 +11,7 @@ from typing import Any
 
 import click
 
+from adapters.cli.trigger_cmds import database_option, json_option
 from application.operations import (
     Doctor,
     Quarantines,
@@ -21,11 +22,6 @@ from application.operations import (
 )
 from application.ports import HARD_PAGE_CAP, OperationsView, SessionCapacity
 from domain.model import JsonValue
-
-database_option = click.option(
-    "--database-url", "database_url", default=None, help="Defaults to $QL3_DATABASE_URL."
-)
-json_option = click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")
 
 
 @contextmanager
