@@ -38,6 +38,37 @@ def url_password(url: str | None) -> str | None:
         return None
 
 
+_NAMED_ID = re.compile(r"\b(attempt|run|session|worker) (%[sr])|(%[a-z%])")
+_ID_FIELDS = {
+    "attempt": "attempt_id",
+    "run": "run_id",
+    "session": "session_id",
+    "worker": "worker_id",
+}
+
+
+class IdFields(logging.Filter):
+    """Fields from the ids a message names by the project's wording (``"attempt %s ..."``,
+    ``"session %s ..."``): each such argument also becomes ``attempt_id``, ``session_id``, ...
+    unless the record carries that field already. Runs before :class:`Redactor` merges the
+    arguments into the message."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if not isinstance(record.msg, str) or not isinstance(args, tuple):
+            return True
+        index = 0
+        for match in _NAMED_ID.finditer(record.msg):
+            if match.group(3) == "%%":
+                continue
+            if match.group(1) and index < len(args):
+                name = _ID_FIELDS[match.group(1)]
+                if not getattr(record, name, None):
+                    setattr(record, name, str(args[index]))
+            index += 1
+        return True
+
+
 class Redactor(logging.Filter):
     """Replaces known secrets, bearer tokens and URL passwords in a record's message, its
     arguments already merged in, and in its exception text."""
@@ -56,9 +87,7 @@ class Redactor(logging.Filter):
         record.msg = self.redact(record.getMessage())
         record.args = None
         if record.exc_info:
-            record.exc_text = self.redact(
-                logging.Formatter().formatException(record.exc_info)
-            )
+            record.exc_text = self.redact(logging.Formatter().formatException(record.exc_info))
             record.exc_info = None
         return True
 
@@ -99,6 +128,7 @@ def configure(
     if log_format not in FORMATS:
         raise ValueError(f"log format must be one of {', '.join(FORMATS)}")
     handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
+    handler.addFilter(IdFields())
     handler.addFilter(Redactor(secrets))
     if log_format == "json":
         handler.setFormatter(JsonFormatter(context))

@@ -25,9 +25,7 @@ def captured() -> Iterator[io.StringIO]:
 
 
 def test_json_lines_carry_the_fields_that_apply(captured: io.StringIO) -> None:
-    logs.configure(
-        "info", "json", context={"worker_id": "w-1"}, secrets=(SECRET,), stream=captured
-    )
+    logs.configure("info", "json", context={"worker_id": "w-1"}, secrets=(SECRET,), stream=captured)
     log = logging.getLogger("ql3.test")
     log.error("cycle aborted at %s", "lost_retry", extra={"step": "lost_retry", "run_id": "r1"})
     log.info("quiet")
@@ -66,3 +64,18 @@ def test_url_password() -> None:
     assert logs.url_password("postgresql+psycopg://u:pw@h/db") == "pw"
     assert logs.url_password("postgresql+psycopg://u@h/db") is None
     assert logs.url_password(None) is None
+
+
+def test_ids_named_in_a_message_become_fields(captured: io.StringIO) -> None:
+    logs.configure("info", "json", stream=captured)
+    log = logging.getLogger("ql3.test")
+    log.info("attempt %s abandoned (%s): %d%% done", "a-1", "stopped", 50)
+    log.info("hand-back of attempt %s refused", "a-2", extra={"attempt_id": "given"})
+    log.info("worker %s registered session %s (%d slot(s))", "w-1", "s-1", 2)
+    first, second, third = (json.loads(line) for line in captured.getvalue().splitlines())
+    assert (
+        first["attempt_id"] == "a-1"
+        and first["message"] == "attempt a-1 abandoned (stopped): 50% done"
+    )
+    assert second["attempt_id"] == "given"
+    assert (third["worker_id"], third["session_id"]) == ("w-1", "s-1")

@@ -212,6 +212,13 @@ def test_json_logs_metrics_status_and_doctor_after_a_worker_is_killed(
             assert {"time", "level", "logger", "message"} <= set(line), line
             if name.startswith("worker"):
                 assert line["worker_id"] == "w-json", line
+    worker_lines = [
+        line
+        for name, text in logs.items()
+        if name.startswith("worker")
+        for line in _json_lines(text)
+    ]
+    assert any(line.get("session_id") for line in worker_lines)  # "registered session %s"
     node_lines = _json_lines(logs["node-json"])
     assert any(line["message"].startswith("startup recovery") for line in node_lines)
     assert any("cycle:" in line["message"] for line in node_lines)
