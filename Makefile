@@ -16,6 +16,7 @@ $(VENV)/.installed: pyproject.toml
 
 test: venv
 	command -v openssl >/dev/null || (apt-get update && apt-get install -y openssl)
+	command -v promtool >/dev/null || (apt-get update && apt-get install -y prometheus)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from application.diagnosis import FailingCandidate, next_failure
 from application.ports import DispatchGate, DispatchGateSource, SchedulerUnitOfWorkFactory
 
 MAX_REASON_LENGTH = 500
@@ -39,12 +40,18 @@ class DispatchGateStep:
             uow.commit()
         return GateReport(opened=1)
 
-    def close(self, reason: str) -> None:
-        """Close the gate: claims grant nothing until a later cycle reaches step 5."""
+    def close(self, reason: str, candidate: FailingCandidate | None = None) -> None:
+        """Close the gate: claims grant nothing until a later cycle reaches step 5. With the
+        candidate the step failed on, the gate keeps the streak of failures on it."""
         with self._uow_factory() as uow:
+            now_ms = uow.now_ms()
+            previous = uow.gate.get().failure if candidate is not None else None
             uow.gate.set(
                 DispatchGate(
-                    open=False, reason=reason[:MAX_REASON_LENGTH], changed_at_ms=uow.now_ms()
+                    open=False,
+                    reason=reason[:MAX_REASON_LENGTH],
+                    changed_at_ms=now_ms,
+                    failure=next_failure(previous, candidate, now_ms),
                 )
             )
             uow.commit()

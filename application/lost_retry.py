@@ -3,20 +3,30 @@ turn due ``retry_wait`` Runs into a fresh Attempt N+1."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from application.budgets import validate_page_size
+from application.diagnosis import CandidateFailed
 from application.ports import (
+    NO_METRICS,
     Identities,
     LostRetryCandidateSource,
+    Metrics,
     RunCandidate,
     Snapshot,
     UnitOfWork,
     UnitOfWorkFactory,
 )
-from domain.events import EventType
-from domain.model import AttemptStatus, RunOwner, RunStatus
-from domain.retry import is_lost_retry_candidate, settle_lost_run, start_next_attempt
+from domain.events import EventType, RunEvent
+from domain.model import AttemptStatus
+from domain.retry import (
+    is_due_retry,
+    is_lost_retry_candidate,
+    settle_lost_run,
+    start_next_attempt,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,7 +56,10 @@ class LostRetry:
     transaction per candidate, the Attempt's advisory lock before the row locks.
 
     Fail closed: any error (database, lock, state, persistence) propagates and ends the step at
-    that candidate. A broken head candidate is never skipped to go on with later ones."""
+    that candidate, named by :class:`CandidateFailed`. A broken head candidate is never
+    skipped to go on with later ones; only an operator's quarantine takes it out (ADR 0010)."""
+
+    STEP_NAME = "lost_retry"
 
     def __init__(
         self,
@@ -54,11 +67,13 @@ class LostRetry:
         source: LostRetryCandidateSource,
         identities: Identities,
         page_size: int | None = None,
+        metrics: Metrics = NO_METRICS,
     ) -> None:
         self._uow_factory = uow_factory
         self._source = source
         self._identities = identities
         self._page_size = validate_page_size(page_size)
+        self._metrics = metrics
 
     @property
     def page_size(self) -> int:
@@ -69,8 +84,11 @@ class LostRetry:
         failed = scheduled = created = moved_on = 0
         lost = self._source.lost_runs(limit)
         for candidate in lost.items:
-            with self._uow_factory() as uow:
-                outcome = settle_lost_candidate(uow, candidate)
+            with self._failing_on(candidate), self._uow_factory() as uow:
+                event = settle_lost_candidate(uow, candidate)
+            if event is not None:
+                self._metrics.committed((event,))
+            outcome = event.type if event is not None else None
             if outcome is EventType.RUN_FAILED:
                 failed += 1
             elif outcome is EventType.RETRY_SCHEDULED:
@@ -79,7 +97,7 @@ class LostRetry:
                 moved_on += 1
         due = self._source.due_retries(limit)
         for candidate in due.items:
-            with self._uow_factory() as uow:
+            with self._failing_on(candidate), self._uow_factory() as uow:
                 started = start_due_retry(uow, candidate, self._identities)
             if started:
                 created += 1
@@ -94,6 +112,17 @@ class LostRetry:
         )
 
 
+    @contextmanager
+    def _failing_on(self, candidate: RunCandidate) -> Iterator[None]:
+        """Any error of the block names ``candidate`` (:class:`CandidateFailed`)."""
+        try:
+            yield
+        except Exception as error:
+            raise CandidateFailed(
+                self.STEP_NAME, candidate.run_id, candidate.attempt_id, error
+            ) from error
+
+
 def _lock_candidate(uow: UnitOfWork, candidate: RunCandidate) -> Snapshot | None:
     snapshot = (
         uow.runs.lock_attempt(candidate.attempt_id)
@@ -105,9 +134,9 @@ def _lock_candidate(uow: UnitOfWork, candidate: RunCandidate) -> Snapshot | None
     return snapshot
 
 
-def settle_lost_candidate(uow: UnitOfWork, candidate: RunCandidate) -> EventType | None:
-    """Settle one ``lost`` Run inside ``uow`` and commit; returns the event type written, or
-    None when the Run, re-checked under the locks, is no longer a candidate."""
+def settle_lost_candidate(uow: UnitOfWork, candidate: RunCandidate) -> RunEvent | None:
+    """Settle one ``lost`` Run inside ``uow`` and commit; returns the event written, or None
+    when the Run, re-checked under the locks, is no longer a candidate."""
     snapshot = _lock_candidate(uow, candidate)
     if (
         snapshot is None
@@ -121,7 +150,7 @@ def settle_lost_candidate(uow: UnitOfWork, candidate: RunCandidate) -> EventType
     change = settle_lost_run(run=snapshot.run, lost_attempt=snapshot.attempt, now_ms=uow.now_ms())
     uow.runs.apply(snapshot, change)
     uow.commit()
-    return change.event.type
+    return change.event
 
 
 def start_due_retry(uow: UnitOfWork, candidate: RunCandidate, identities: Identities) -> bool:
@@ -131,12 +160,8 @@ def start_due_retry(uow: UnitOfWork, candidate: RunCandidate, identities: Identi
         return False
     run = snapshot.run
     now_ms = uow.now_ms()
-    if (
-        run.status is not RunStatus.RETRY_WAIT
-        or run.owner is not RunOwner.RUNTIME
-        or run.next_attempt_at_ms is None
-        or run.next_attempt_at_ms > now_ms
-        or (snapshot.attempt is not None and snapshot.attempt.number != run.attempt_count)
+    if not is_due_retry(run, now_ms) or (
+        snapshot.attempt is not None and snapshot.attempt.number != run.attempt_count
     ):
         return False
     change = start_next_attempt(run=run, attempt_id=identities.new_id(), now_ms=now_ms)

@@ -87,14 +87,29 @@ class SessionCapacity:
 
 
 @dataclass(frozen=True, slots=True)
+class StepFailure:
+    """The candidate a runtime recovery or lost-retry step failed on, cycle after cycle, of
+    any replica (ADR 0010): ``since_ms`` is the first of those failures by the store's clock,
+    ``cycles`` how many there were in a row, ``error`` the latest one."""
+
+    step: str
+    run_id: str
+    attempt_id: str | None
+    error: str
+    since_ms: int
+    cycles: int
+
+
+@dataclass(frozen=True, slots=True)
 class DispatchGate:
     """Whether claims may grant work (ADR 0007). Closed while the most recent runtime recovery
     or lost-retry step of any replica failed and none has succeeded since; ``reason`` says which
-    step failed and how."""
+    step failed and how, ``failure`` on which candidate when the failure had one."""
 
     open: bool
     reason: str | None = None
     changed_at_ms: int | None = None
+    failure: StepFailure | None = None
 
 
 OPEN_GATE = DispatchGate(open=True)
@@ -328,6 +343,9 @@ class CredentialUnitOfWorkFactory(Protocol):
 
 
 class DispatchGateRepository(Protocol):
+    def get(self) -> DispatchGate:
+        """The gate as this transaction sees it."""
+
     def set(self, gate: DispatchGate) -> None:
         """Replace the gate's state (one row for every replica of the store)."""
 
@@ -374,6 +392,66 @@ class DispatchGateSource(Protocol):
         """The gate as committed (one read, no transaction kept)."""
 
 
+@dataclass(frozen=True, slots=True)
+class QueueDepth:
+    """The ``queued`` Runs of one task and when the oldest of them was queued."""
+
+    task: str
+    queued: int
+    oldest_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class EvidenceWaits:
+    """Started Attempts whose lease expired, waiting for not-running evidence (fail closed);
+    ``oldest_ms`` is the earliest expiry among them."""
+
+    count: int
+    oldest_ms: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class NodeCycle:
+    """A scheduler node's last cycle as it recorded it: when it ended (``last_cycle_at_ms``,
+    the store's clock; None when recording), whether it succeeded or which step ended it, and
+    how many cycles the node has run."""
+
+    node_id: str
+    ok: bool
+    aborted_at: str | None
+    cycles: int
+    started_at_ms: int | None = None
+    last_cycle_at_ms: int | None = None
+
+
+class NodeRegistry(Protocol):
+    def record_node_cycle(self, cycle: NodeCycle) -> None:
+        """Replace the node's row (its start time is kept), in a transaction of its own."""
+
+
+@dataclass(frozen=True, slots=True)
+class OperationsView:
+    """What ``ql3 status``, ``ql3 doctor`` and the metrics read, each part by a query whose
+    cost follows the live work, never the finished history (ADR 0010). ``quarantined`` holds
+    at most the limit asked for; ``quarantined_count`` counts them all."""
+
+    observed_at_ms: int
+    gate: DispatchGate
+    queues: tuple[QueueDepth, ...]
+    evidence: EvidenceWaits
+    sessions: tuple[SessionCapacity, ...]
+    quarantined: tuple[Run, ...]
+    quarantined_count: int
+    nodes: tuple[NodeCycle, ...] = ()
+
+
+class OperationsSource(Protocol):
+    def operations_view(self, limit: int) -> OperationsView:
+        """One consistent read of the operations view, listing at most ``limit`` quarantined
+        Runs (oldest quarantine first) and nodes (latest cycle first), and the open (active
+        or draining) sessions."""
+
+
 class TriggerSource(Protocol):
     def due_triggers(self, limit: int) -> Page[DueTrigger]:
         """Active triggers whose next firing the store's clock reached, earliest first."""
@@ -384,6 +462,51 @@ class WorkflowFrontierSource(Protocol):
         """Workflow aggregate Runs the frontier has work for: not started yet, an admitted
         step whose Run finished, or finished with steps still pending or admitted but not
         started. Oldest first (by the aggregate's ``updated_at``)."""
+
+
+class Metrics(Protocol):
+    """What this process did, told as it happens (ADR 0010). An adapter counts it (Prometheus
+    on a node); :data:`NO_METRICS` forgets it. Gauges of the store's state are no business of
+    this port: they are read on scrape from :class:`OperationsSource`, never on the cadence."""
+
+    def step_finished(self, step: str, outcome: str, seconds: float) -> None:
+        """One step of a cycle: ``ok``, ``failed``, or ``skipped`` after an earlier failure."""
+
+    def cycle_finished(self, ok: bool) -> None: ...
+
+    def committed(self, events: Sequence[RunEvent]) -> None:
+        """Events of changes this process committed (recovery, lost retry, worker commands)."""
+
+    def fence_rejected(self, reason: str) -> None: ...
+
+    def leases_renewed(self, count: int) -> None: ...
+
+    def claim_answered(self, granted: int, no_grant: str | None) -> None: ...
+
+
+class NoMetrics:
+    """The metrics of a process that exports none."""
+
+    def step_finished(self, step: str, outcome: str, seconds: float) -> None:
+        return None
+
+    def cycle_finished(self, ok: bool) -> None:
+        return None
+
+    def committed(self, events: Sequence[RunEvent]) -> None:
+        return None
+
+    def fence_rejected(self, reason: str) -> None:
+        return None
+
+    def leases_renewed(self, count: int) -> None:
+        return None
+
+    def claim_answered(self, granted: int, no_grant: str | None) -> None:
+        return None
+
+
+NO_METRICS: Metrics = NoMetrics()
 
 
 class CronCalendar(Protocol):
@@ -416,7 +539,9 @@ class RuntimeStore(
     def close(self) -> None: ...
 
 
-class SchedulerStore(RuntimeStore, TriggerSource, WorkflowFrontierSource, Protocol):
+class SchedulerStore(
+    RuntimeStore, TriggerSource, WorkflowFrontierSource, OperationsSource, NodeRegistry, Protocol
+):
     """A runtime store with everything the whole cadence needs, trigger schedule and workflow
     frontier included. Every store a profile runs on (memory, PostgreSQL, SQLite) implements it;
     the worker ingress's least-privilege store implements only :class:`RuntimeStore`."""

@@ -49,6 +49,9 @@ class RunView:
             "next_attempt_at_ms": run.next_attempt_at_ms,
             "created_at_ms": run.created_at_ms,
             "updated_at_ms": run.updated_at_ms,
+            "quarantine": None
+            if run.quarantine is None
+            else {"reason": run.quarantine.reason, "since_ms": run.quarantine.since_ms},
             "policy": None
             if policy is None
             else {

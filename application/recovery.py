@@ -8,13 +8,17 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 from application.budgets import validate_page_size
+from application.diagnosis import CandidateFailed
 from application.ports import (
+    NO_METRICS,
+    Metrics,
     RecoveryCandidate,
     RecoveryCandidateSource,
     UnitOfWork,
     UnitOfWorkFactory,
 )
 from domain.recovery import RecoveryHold, find_not_running_evidence, resolve_recovery
+from domain.transitions import Change
 
 # Recovery transactions of one replica running at once (each on its own connection).
 MAX_CONCURRENCY = 8
@@ -53,11 +57,19 @@ def recover_candidate(uow: UnitOfWork, attempt_id: str) -> RecoveryHold | None:
 
     Returns None when the Attempt was recovered, else the reason it stays as it is. The caller
     commits."""
+    hold, _change = resolve_candidate(uow, attempt_id)
+    return hold
+
+
+def resolve_candidate(
+    uow: UnitOfWork, attempt_id: str
+) -> tuple[RecoveryHold | None, Change | None]:
+    """:func:`recover_candidate`, with the change it applied (None when it held)."""
     # Another replica holding the candidate is resolving it: go on with the next one rather
     # than queue behind it (both would read the same page in the same order).
     snapshot = uow.runs.lock_attempt(attempt_id, skip_locked=True)
     if snapshot is None or snapshot.attempt is None:
-        return RecoveryHold.NOT_A_CANDIDATE
+        return RecoveryHold.NOT_A_CANDIDATE, None
     attempt = snapshot.attempt
     session = uow.sessions.get(attempt.session_id) if attempt.session_id else None
     evidence = find_not_running_evidence(attempt, session, uow.evidence.reports_for(attempt.id))
@@ -69,15 +81,18 @@ def recover_candidate(uow: UnitOfWork, attempt_id: str) -> RecoveryHold | None:
         now_ms=uow.now_ms(),
     )
     if resolution.change is None:
-        return resolution.hold
+        return resolution.hold, None
     uow.runs.apply(snapshot, resolution.change)
-    return None
+    return None, resolution.change
 
 
 class RuntimeRecovery:
     """ADR 0002, decisions 1 and 2: each cycle, one bounded page of expired candidates, each
     resolved in its own short transaction. No cursor or per-run state is kept between cycles.
-    Any error ends the pass (fail closed); the next cycle starts again from the store's view."""
+    Any error ends the pass (fail closed) and names its candidate (:class:`CandidateFailed`);
+    the next cycle starts again from the store's view."""
+
+    STEP_NAME = "runtime_recovery"
 
     def __init__(
         self,
@@ -85,6 +100,7 @@ class RuntimeRecovery:
         source: RecoveryCandidateSource,
         page_size: int | None = None,
         concurrency: int = 1,
+        metrics: Metrics = NO_METRICS,
     ) -> None:
         if isinstance(concurrency, bool) or not isinstance(concurrency, int):
             raise TypeError("concurrency must be an integer")
@@ -94,6 +110,7 @@ class RuntimeRecovery:
         self._source = source
         self._page_size = validate_page_size(page_size)
         self._concurrency = concurrency
+        self._metrics = metrics
 
     @property
     def page_size(self) -> int:
@@ -149,8 +166,16 @@ class RuntimeRecovery:
         return [f.result() for f in futures]
 
     def _resolve(self, candidate: RecoveryCandidate) -> RecoveryHold | None:
-        with self._uow_factory() as uow:
-            hold = recover_candidate(uow, candidate.attempt_id)
-            if hold is None:
-                uow.commit()
-            return hold
+        try:
+            with self._uow_factory() as uow:
+                hold, change = resolve_candidate(uow, candidate.attempt_id)
+                if change is not None:
+                    uow.commit()
+                    self._metrics.committed((change.event,))
+                return hold
+        except PassAborted:
+            raise
+        except Exception as error:
+            raise CandidateFailed(
+                self.STEP_NAME, candidate.run_id, candidate.attempt_id, error
+            ) from error

@@ -15,6 +15,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
+from application.diagnosis import CandidateFailed, FailingCandidate, describe
+from application.ports import NO_METRICS, Metrics, NodeCycle, NodeRegistry
+
 
 class StepReport(Protocol):
     def counts(self) -> Mapping[str, int]: ...
@@ -48,9 +51,14 @@ class NoWorkflowFrontier:
 
 @dataclass(frozen=True, slots=True)
 class StepOutcome:
+    """One step of a cycle: its counts, or the error that ended the cycle and, when the step
+    failed on one candidate, that candidate (ADR 0010); and how long it took."""
+
     name: str
     counts: Mapping[str, int]
     error: str | None = None
+    candidate: FailingCandidate | None = None
+    seconds: float = 0.0
 
     @property
     def ok(self) -> bool:
@@ -76,25 +84,54 @@ class CycleSummary:
             "ok": self.ok,
             "aborted_at": self.aborted_at,
             "steps": [
-                {"name": s.name, "counts": dict(s.counts), "error": s.error} for s in self.steps
+                {
+                    "name": s.name,
+                    "counts": dict(s.counts),
+                    "error": s.error,
+                    **(
+                        {"run_id": s.candidate.run_id, "attempt_id": s.candidate.attempt_id}
+                        if s.candidate is not None
+                        else {}
+                    ),
+                }
+                for s in self.steps
             ],
         }
-
-
-def _describe(error: BaseException) -> str:
-    return f"{type(error).__name__}: {error}"
 
 
 def run_steps(steps: tuple[tuple[str, SchedulerStep], ...]) -> CycleSummary:
     """Run the steps in order; the first failure ends the cycle and is reported."""
     outcomes: list[StepOutcome] = []
     for name, step in steps:
+        started = time.perf_counter()
         try:
             report = step.run_once()
-        except Exception as error:  # fail closed: reported, the next cadence tries again
-            outcomes.append(StepOutcome(name=name, counts={}, error=_describe(error)))
+        except CandidateFailed as failed:  # fail closed, naming the candidate
+            outcomes.append(
+                StepOutcome(
+                    name=name,
+                    counts={},
+                    error=failed.candidate.error,
+                    candidate=failed.candidate,
+                    seconds=time.perf_counter() - started,
+                )
+            )
             return CycleSummary(steps=tuple(outcomes), aborted_at=name)
-        outcomes.append(StepOutcome(name=name, counts=dict(report.counts())))
+        except Exception as error:  # fail closed: reported, the next cadence tries again
+            outcomes.append(
+                StepOutcome(
+                    name=name,
+                    counts={},
+                    error=describe(error),
+                    seconds=time.perf_counter() - started,
+                )
+            )
+            return CycleSummary(steps=tuple(outcomes), aborted_at=name)
+        outcomes.append(
+            StepOutcome(
+                name=name, counts=dict(report.counts()), seconds=time.perf_counter() - started
+            )
+        )
     return CycleSummary(steps=tuple(outcomes))
 
 
@@ -124,7 +161,7 @@ class SchedulerCoordinator:
 
 
 class GateCloser(Protocol):
-    def close(self, reason: str) -> None: ...
+    def close(self, reason: str, candidate: FailingCandidate | None = None) -> None: ...
 
 
 GUARD_STEPS = ("runtime_recovery", "lost_retry")
@@ -137,7 +174,7 @@ class ClusterSchedulerCoordinator:
 
     It owns no timer, pool, connection, cursor or per-run state: only its collaborators."""
 
-    __slots__ = ("_gate", "_inner", "_lost_retry", "_recovery")
+    __slots__ = ("_gate", "_inner", "_lost_retry", "_metrics", "_recovery")
 
     STEP_NAMES = (*GUARD_STEPS, *SchedulerCoordinator.STEP_NAMES)
 
@@ -147,11 +184,13 @@ class ClusterSchedulerCoordinator:
         lost_retry: SchedulerStep,
         inner: SchedulerCoordinator,
         gate: GateCloser,
+        metrics: Metrics = NO_METRICS,
     ) -> None:
         self._recovery = runtime_recovery
         self._lost_retry = lost_retry
         self._inner = inner
         self._gate = gate
+        self._metrics = metrics
 
     def run_cycle(self) -> CycleSummary:
         summary = run_steps(
@@ -165,8 +204,58 @@ class ClusterSchedulerCoordinator:
             step = summary.step(summary.aborted_at or "")
             # A store that cannot take this write cannot grant a claim either.
             with contextlib.suppress(Exception):
-                self._gate.close(f"{summary.aborted_at} failed: {step.error if step else ''}")
+                self._gate.close(
+                    f"{summary.aborted_at} failed: {step.error if step else ''}",
+                    step.candidate if step else None,
+                )
+        report_cycle(self._metrics, summary, self.STEP_NAMES)
         return summary
+
+
+def report_cycle(metrics: Metrics, summary: CycleSummary, step_names: tuple[str, ...]) -> None:
+    """Each step's outcome and duration; the steps an abort left out are ``skipped``."""
+    for name in step_names:
+        step = summary.step(name)
+        if step is None:
+            metrics.step_finished(name, "skipped", 0.0)
+        else:
+            metrics.step_finished(name, "ok" if step.ok else "failed", step.seconds)
+    metrics.cycle_finished(summary.ok)
+
+
+class NodeHeartbeat:
+    """A cycle listener that records this node's last cycle in the store (``ql3 status``):
+    after the first cycle, whenever the outcome changes, and otherwise at most every
+    ``every_s`` seconds, so that an idle cycle costs no statement for it (ADR 0010). A failed
+    write is tried again after the next cycle."""
+
+    def __init__(self, registry: NodeRegistry, node_id: str, every_s: float = 10.0) -> None:
+        self._registry = registry
+        self._node_id = node_id
+        self._every_s = every_s
+        self._cycles = 0
+        self._last: tuple[bool, str | None] | None = None
+        self._written_at: float | None = None
+
+    def __call__(self, summary: CycleSummary) -> None:
+        self._cycles += 1
+        outcome = (summary.ok, summary.aborted_at)
+        now = time.monotonic()
+        if (
+            outcome == self._last
+            and self._written_at is not None
+            and now - self._written_at < self._every_s
+        ):
+            return
+        self._registry.record_node_cycle(
+            NodeCycle(
+                node_id=self._node_id,
+                ok=summary.ok,
+                aborted_at=summary.aborted_at,
+                cycles=self._cycles,
+            )
+        )
+        self._last, self._written_at = outcome, now
 
 
 class Coordinator(Protocol):

@@ -116,7 +116,8 @@ class StartupRecovery:
         lost = self._source.lost_runs(self._page_size)
         for run_candidate in lost.items:
             with self._uow_factory() as uow:
-                outcome = settle_lost_candidate(uow, run_candidate)
+                settled = settle_lost_candidate(uow, run_candidate)
+                outcome = settled.type if settled is not None else None
             if outcome is EventType.RUN_FAILED:
                 counts["lost_failed"] += 1
                 progressed += 1

@@ -13,7 +13,15 @@ import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from application.ports import ClaimLock, Identities, Snapshot, UnitOfWork, UnitOfWorkFactory
+from application.ports import (
+    NO_METRICS,
+    ClaimLock,
+    Identities,
+    Metrics,
+    Snapshot,
+    UnitOfWork,
+    UnitOfWorkFactory,
+)
 from domain.dispatch import fair_pick
 from domain.errors import (
     ConcurrencyConflict,
@@ -272,18 +280,33 @@ def _check_batch(attempt_ids: Sequence[str], *, allow_empty: bool = False) -> No
         raise InvalidAdmission("a batch names each attempt at most once")
 
 
+def _report(
+    metrics: Metrics, writes: Sequence[tuple[Snapshot, Change]], results: Sequence[ItemResult]
+) -> None:
+    """Tell the metrics what a committed batch or claim did (ADR 0010)."""
+    metrics.committed([change.event for _, change in writes])
+    renewed = sum(1 for r in results if r.outcome is BatchOutcome.RENEWED)
+    if renewed:
+        metrics.leases_renewed(renewed)
+    for r in results:
+        if r.rejection is Rejection.FENCE:
+            metrics.fence_rejected(r.reason or "unknown")
+
+
 class WorkerCommands:
     def __init__(
         self,
         uow_factory: UnitOfWorkFactory,
         identities: Identities,
         lease_ttl_ms: int,
+        metrics: Metrics = NO_METRICS,
     ) -> None:
         if lease_ttl_ms <= 0:
             raise ValueError("lease ttl must be positive")
         self._uow_factory = uow_factory
         self._identities = identities
         self._lease_ttl_ms = lease_ttl_ms
+        self._metrics = metrics
 
     @property
     def lease_ttl_ms(self) -> int:
@@ -396,6 +419,8 @@ class WorkerCommands:
             if writes:
                 uow.runs.apply_many(writes)
                 uow.commit()
+        _report(self._metrics, writes, completed)
+        self._metrics.claim_answered(len(grant.grants), grant.no_grant and grant.no_grant.value)
         return ClaimAnswer(
             now_ms=now_ms,
             status=session.status,
@@ -719,6 +744,7 @@ class WorkerCommands:
             )
             uow.runs.apply_many(writes)
             uow.commit()
+        _report(self._metrics, writes, results)
         return BatchAnswer(now_ms=now_ms, results=tuple(results))
 
     @staticmethod

@@ -11,7 +11,7 @@ from typing import Any
 from dependency_injector import containers, providers
 
 from application.lost_retry import LostRetry
-from application.ports import SchedulerStore
+from application.ports import NO_METRICS, Metrics, SchedulerStore
 from application.recovery import RuntimeRecovery
 from application.scheduler import ClusterSchedulerCoordinator, ClusterSchedulerLifecycle
 from application.startup import StartupRecovery
@@ -40,6 +40,8 @@ class ClusterContainer(containers.DeclarativeContainer):
     config = providers.Configuration()
     store = providers.Singleton(open_postgres_store, config.database_url, config.pool_size)
     core = providers.Container(RuntimeCoreContainer, config=config, store=store)
+    # What the scheduler steps count (ADR 0010); a node exports them.
+    metrics: providers.Provider[Metrics] = providers.Object(NO_METRICS)
 
     runtime_recovery = providers.Singleton(
         RuntimeRecovery,
@@ -47,6 +49,7 @@ class ClusterContainer(containers.DeclarativeContainer):
         source=store,
         page_size=config.recovery_page_size,
         concurrency=config.recovery_concurrency,
+        metrics=metrics,
     )
     lost_retry = providers.Singleton(
         LostRetry,
@@ -54,6 +57,7 @@ class ClusterContainer(containers.DeclarativeContainer):
         source=store,
         identities=core.identities,
         page_size=config.lost_retry_page_size,
+        metrics=metrics,
     )
     startup_recovery = providers.Singleton(
         StartupRecovery,
@@ -68,6 +72,7 @@ class ClusterContainer(containers.DeclarativeContainer):
         lost_retry=lost_retry,
         inner=core.scheduler,
         gate=core.dispatch_gate,
+        metrics=metrics,
     )
     lifecycle = providers.Singleton(
         ClusterSchedulerLifecycle,

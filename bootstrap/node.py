@@ -19,7 +19,10 @@ store of the tests), the end of every scheduler cycle wakes them instead."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import operator
+import os
 import signal
 import socket
 from collections.abc import AsyncIterator, Callable
@@ -38,9 +41,16 @@ from adapters.http import (
     default_heartbeat_interval_ms,
 )
 from adapters.http.auth import RegistrationAuth
+from adapters.http.metrics import metrics_routes
+from adapters.prometheus import node_registry
 from application.credentials import CredentialCommands
 from application.identities import RandomIdentities
-from application.scheduler import ClusterSchedulerLifecycle, CycleListener, CycleSummary
+from application.scheduler import (
+    ClusterSchedulerLifecycle,
+    CycleListener,
+    CycleSummary,
+    NodeHeartbeat,
+)
 from application.worker_commands import WorkerCommands
 from bootstrap.cluster import CLUSTER_DEFAULTS, ClusterContainer, open_postgres_store
 from bootstrap.core import seconds_to_ms
@@ -61,6 +71,7 @@ NODE_DEFAULTS: dict[str, object] = {
     "database_url_source": None,
     "ingress_url_source": None,
     "ingress_password_source": None,
+    "node_id": None,
 }
 STOP_TIMEOUT_S = 30
 # The counts that make a cycle worth a log line: what recovery and lost retry changed.
@@ -121,14 +132,22 @@ def open_dispatch_listener(
     return DispatchListener(database_url, claims.wake)
 
 
-def end_of_cycle(claims: ClaimSignal, listener: DispatchListener | None) -> CycleListener:
+def end_of_cycle(
+    claims: ClaimSignal,
+    listener: DispatchListener | None,
+    heartbeat: CycleListener | None = None,
+) -> CycleListener:
     """What the node does after each scheduler cycle: log it, and wake the parked claims
-    unless the LISTEN connection is up (then NOTIFY wakes them as soon as work is queued)."""
+    unless the LISTEN connection is up (then NOTIFY wakes them as soon as work is queued);
+    record it now and then for ``ql3 status`` (``heartbeat``)."""
 
     def on_cycle(summary: CycleSummary) -> None:
         log_cycle(summary)
         if listener is None or not listener.connected:
             claims.wake()
+        if heartbeat is not None:
+            with contextlib.suppress(Exception):  # the next cycle tries again
+                heartbeat(summary)
 
     return on_cycle
 
@@ -137,7 +156,17 @@ def log_cycle(summary: CycleSummary) -> None:
     """One line per cycle that failed or changed recovery state; quiet otherwise."""
     if not summary.ok:
         step = summary.step(summary.aborted_at or "")
-        log.error("cycle aborted at %s: %s", summary.aborted_at, step.error if step else "")
+        candidate = step.candidate if step else None
+        log.error(
+            "cycle aborted at %s: %s",
+            summary.aborted_at,
+            step.error if step else "",
+            extra={
+                "step": summary.aborted_at,
+                "run_id": candidate.run_id if candidate else None,
+                "attempt_id": candidate.attempt_id if candidate else None,
+            },
+        )
         return
     notes = []
     for name, keys in NOTEWORTHY.items():
@@ -161,7 +190,12 @@ class NodeContainer(containers.DeclarativeContainer):
         ClusterSchedulerLifecycle,
         coordinator=cluster.coordinator,
         cadence_s=config.cadence_s,
-        on_cycle=providers.Callable(end_of_cycle, claim_signal, dispatch_listener),
+        on_cycle=providers.Callable(
+            end_of_cycle,
+            claim_signal,
+            dispatch_listener,
+            providers.Singleton(NodeHeartbeat, cluster.store, config.node_id),
+        ),
     )
     ingress_store = providers.Singleton(
         open_ingress_store,
@@ -171,11 +205,16 @@ class NodeContainer(containers.DeclarativeContainer):
         config.ingress_url_source,
         config.ingress_password_source,
     )
+    # The node's Prometheus registry and its counters (ADR 0010), shared by the scheduler
+    # steps and the ingress.
+    metrics_registry = providers.Singleton(node_registry, cluster.store)
+    metrics = providers.Callable(operator.itemgetter(1), metrics_registry)
     ingress_commands = providers.Singleton(
         WorkerCommands,
         uow_factory=ingress_store.provided.unit_of_work,
         identities=providers.Singleton(RandomIdentities),
         lease_ttl_ms=providers.Callable(seconds_to_ms, config.lease_ttl_s),
+        metrics=metrics,
     )
     heartbeat_interval_ms = providers.Callable(heartbeat_interval_ms, config.lease_ttl_s)
     # Worker credentials live on the node's own role (ADR 0008), never the ingress role's.
@@ -197,7 +236,10 @@ def build(store: Any | None = None, **settings: Any) -> NodeContainer:
     the scheduler and the ingress share it, and the node listens for dispatch wake-ups only
     when a PostgreSQL ``database_url`` is given too."""
     container = NodeContainer()
-    container.config.from_dict({**NODE_DEFAULTS, **settings})
+    container.config.from_dict(
+        {**NODE_DEFAULTS, "node_id": f"{socket.gethostname()}-{os.getpid()}", **settings}
+    )
+    container.cluster.metrics.override(container.metrics)
     if store is not None:
         container.cluster.store.override(providers.Object(store))
         container.ingress_store.override(providers.Object(store))
@@ -246,7 +288,7 @@ def create_node_app(
             await asyncio.to_thread(lifecycle.stop, STOP_TIMEOUT_S)
             close_stores(container)
 
-    return create_app(
+    app = create_app(
         container.ingress_commands(),
         signal=claims,
         max_body_bytes=container.config.max_body_bytes(),
@@ -256,6 +298,8 @@ def create_node_app(
         on_attempts_ended=lifecycle.wake,
         lifespan=lifespan,
     )
+    app.include_router(metrics_routes(container.metrics_registry()[0]))
+    return app
 
 
 class NodeServer(uvicorn.Server):
@@ -305,6 +349,7 @@ def serve(
     run_startup_recovery: bool = True,
     tls_cert: str | None = None,
     tls_key: str | None = None,
+    own_log_config: bool = True,
 ) -> bool:
     """Serve until SIGTERM/SIGINT (over TLS with ``tls_cert`` and ``tls_key``, PEM files).
     Returns False when the node could not start."""
@@ -314,6 +359,9 @@ def serve(
         lifespan="on",
         access_log=access_log,  # method, path and status only: no secret is in a URL
         log_level=log_level,
+        # Without its own config uvicorn logs through the root logger (its format, its
+        # redaction: ``--log-format json``).
+        log_config=uvicorn.config.LOGGING_CONFIG if own_log_config else None,
         server_header=False,
         timeout_graceful_shutdown=STOP_TIMEOUT_S,
         ssl_certfile=tls_cert,

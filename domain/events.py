@@ -31,6 +31,8 @@ class EventType(enum.Enum):
     EVIDENCE_RECORDED = "evidence_recorded"
     WORKFLOW_STARTED = "workflow_started"
     WORKFLOW_SUCCEEDED = "workflow_succeeded"
+    RUN_QUARANTINED = "run_quarantined"
+    RUN_UNQUARANTINED = "run_unquarantined"
 
 
 def _freeze(value: Mapping[str, JsonValue]) -> Mapping[str, JsonValue]:

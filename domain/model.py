@@ -115,6 +115,15 @@ def _non_empty(_instance: object, attribute: object, value: str) -> None:
 
 
 @frozen(kw_only=True)
+class Quarantine:
+    """An operator took a Run out of runtime recovery and lost retry (ADR 0010): those steps
+    pass it over until the quarantine is lifted. Nothing else about the Run changes."""
+
+    reason: str = field(validator=_non_empty)
+    since_ms: int
+
+
+@frozen(kw_only=True)
 class Run:
     """A unit of work admitted by a caller. Its retry policy is a snapshot taken at admission."""
 
@@ -129,8 +138,13 @@ class Run:
     output: JsonValue = None
     error: str | None = None
     parent_run_id: str | None = None
+    quarantine: Quarantine | None = None
     created_at_ms: int
     updated_at_ms: int
+
+    @property
+    def is_quarantined(self) -> bool:
+        return self.quarantine is not None
 
 
 @frozen(kw_only=True)

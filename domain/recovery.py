@@ -53,9 +53,10 @@ def is_recovery_candidate(
 ) -> bool:
     """ADR 0002, decision 1: a runtime-owned Run in dispatching|running|lost whose non-pristine
     Attempt is claimed|starting|running and whose lease is missing or expired by the store's
-    clock."""
+    clock. A quarantined Run is no candidate (ADR 0010)."""
     return (
         run.owner is RunOwner.RUNTIME
+        and not run.is_quarantined
         and run.status in RECOVERABLE_RUN_STATUSES
         and attempt.run_id == run.id
         and attempt.status in RECOVERABLE_ATTEMPT_STATUSES

@@ -60,7 +60,19 @@ def decide_lost_retry(
 
 
 def is_lost_retry_candidate(run: Run) -> bool:
-    return run.owner is RunOwner.RUNTIME and run.status is RunStatus.LOST
+    """A runtime-owned ``lost`` Run that is not quarantined (ADR 0010)."""
+    return run.owner is RunOwner.RUNTIME and run.status is RunStatus.LOST and not run.is_quarantined
+
+
+def is_due_retry(run: Run, now_ms: int) -> bool:
+    """A runtime-owned ``retry_wait`` Run, not quarantined, whose next Attempt is due."""
+    return (
+        run.owner is RunOwner.RUNTIME
+        and run.status is RunStatus.RETRY_WAIT
+        and not run.is_quarantined
+        and run.next_attempt_at_ms is not None
+        and run.next_attempt_at_ms <= now_ms
+    )
 
 
 def settle_lost_run(*, run: Run, lost_attempt: Attempt, now_ms: int) -> Change:
@@ -118,7 +130,11 @@ def settle_lost_run(*, run: Run, lost_attempt: Attempt, now_ms: int) -> Change:
 def start_next_attempt(*, run: Run, attempt_id: str, now_ms: int) -> Change:
     """When the store's clock reaches ``next_attempt_at_ms``: a fresh, unleased Attempt N+1 and
     the Run ``queued``. Nothing of the lost Attempt is carried over."""
-    if run.status is not RunStatus.RETRY_WAIT or run.owner is not RunOwner.RUNTIME:
+    if (
+        run.status is not RunStatus.RETRY_WAIT
+        or run.owner is not RunOwner.RUNTIME
+        or run.is_quarantined
+    ):
         raise InvalidTransition("run", run.id, run.status.value, "start its next attempt")
     require_run_edge(run, RunStatus.QUEUED, "start its next attempt")
     if run.next_attempt_at_ms is None or now_ms < run.next_attempt_at_ms:

@@ -75,6 +75,10 @@ CLAIMABLE_RUN_STATUSES = frozenset({R.QUEUED})
 RECOVERABLE_RUN_STATUSES = frozenset({R.DISPATCHING, R.RUNNING, R.LOST})
 """Runs whose Attempt may have lost its lease authority (rule 1 of ADR 0002)."""
 
+QUARANTINABLE_RUN_STATUSES = RECOVERABLE_RUN_STATUSES | frozenset({R.RETRY_WAIT})
+"""Where runtime recovery or lost retry would pick a Run up, and so where an operator may
+quarantine it (ADR 0010)."""
+
 RELEASABLE_ATTEMPT_STATUSES = frozenset(s for s, to in ATTEMPT_EDGES.items() if A.CLAIMED in to)
 """Attempts a worker can hand back unstarted: held under a lease, not finished."""
 

@@ -20,7 +20,9 @@ import pytest
 import adapters.memory.store as memory_store
 from adapters.memory import FakeClock, MemoryStore
 from application.budgets import InvalidPageSize
+from application.diagnosis import CandidateFailed
 from application.lost_retry import LostRetry
+from application.ports import NO_METRICS
 from application.recovery import RuntimeRecovery
 from application.scheduler import (
     ClusterSchedulerCoordinator,
@@ -162,8 +164,13 @@ def test_rule_2_atomic_lost_and_lease_release_roll_back_together(
     before = store_view(svc.store, [worker.session_id])
     with monkeypatch.context() as patch:
         _break_event_append(patch)
-        with pytest.raises(RuntimeError, match="injected"):
+        with pytest.raises(CandidateFailed, match="injected") as failed:
             svc.recovery.run_once()
+        assert isinstance(failed.value.__cause__, RuntimeError)
+        assert (failed.value.candidate.step, failed.value.candidate.run_id) == (
+            "runtime_recovery",
+            run_id,
+        )
         summary = svc.coordinator.run_cycle()
         assert summary.aborted_at == "runtime_recovery"
     assert store_view(svc.store, [worker.session_id]) == before
@@ -326,8 +333,10 @@ def test_rule_3_lost_retry_only_when_declared_safe_broken_head_stops_the_step(
     assert (refused.grants, refused.no_grant) == ((), NoGrant.GATE_CLOSED)
     assert refused.detail is not None and "broken head candidate" in refused.detail
     assert run_view(svc.store, waiting).run.status is RunStatus.QUEUED
-    with pytest.raises(RuntimeError, match="broken head"):
+    with pytest.raises(CandidateFailed, match="broken head") as failed:
         svc.lost_retry.run_once()
+    assert isinstance(failed.value.__cause__, RuntimeError)
+    assert (failed.value.candidate.step, failed.value.candidate.run_id) == ("lost_retry", head)
     assert run_view(svc.store, second).run.status is RunStatus.LOST
     monkeypatch.undo()
     summary = svc.coordinator.run_cycle()
@@ -362,7 +371,7 @@ class RecordingStep:
 class RecordingGate:
     closed: list[str] = field(default_factory=list)
 
-    def close(self, reason: str) -> None:
+    def close(self, reason: str, candidate: object = None) -> None:
         self.closed.append(reason)
 
 
@@ -444,10 +453,10 @@ def test_rule_4_coordinator_holds_only_its_collaborators() -> None:
     coordinator = svc.coordinator
     assert not hasattr(coordinator, "__dict__")
     slots = [s for cls in type(coordinator).__mro__ for s in getattr(cls, "__slots__", ())]
-    assert sorted(slots) == ["_gate", "_inner", "_lost_retry", "_recovery"]
+    assert sorted(slots) == ["_gate", "_inner", "_lost_retry", "_metrics", "_recovery"]
     values = [getattr(coordinator, s) for s in slots]
     assert {id(v) for v in values} == {
-        id(svc.recovery), id(svc.lost_retry), id(svc.inner), id(svc.gate)
+        id(svc.recovery), id(svc.lost_retry), id(svc.inner), id(svc.gate), id(NO_METRICS)
     }
     forbidden = (type(threading.Lock()), type(threading.RLock()), threading.Thread,
                  threading.Timer, threading.Condition, threading.Event, dict, list, set)

@@ -187,13 +187,22 @@ def runs_list(status: str | None, limit: int, database_url: str | None, as_json:
             RunStatus(status) if status else None, limit
         )
     rows = [
-        {"id": r.id, "task": r.task, "status": r.status.value, "attempts": r.attempt_count}
+        {
+            "id": r.id,
+            "task": r.task,
+            "status": r.status.value,
+            "attempts": r.attempt_count,
+            "quarantined": r.is_quarantined,
+        }
         for r in found
     ]
 
     def text() -> None:
         for row in rows:
-            click.echo(f"{row['id']}  {row['status']:<11} {row['attempts']:>3}  {row['task']}")
+            mark = "  quarantined" if row["quarantined"] else ""
+            click.echo(
+                f"{row['id']}  {row['status']:<11} {row['attempts']:>3}  {row['task']}{mark}"
+            )
 
     _emit(as_json, {"runs": rows}, text)
 
@@ -216,6 +225,9 @@ def runs_show(run_id: str, database_url: str | None, as_json: bool) -> None:
         click.echo(f"run {view.run.id}  task {view.run.task}  status {view.run.status.value}")
         if view.run.error:
             click.echo(f"  error: {view.run.error}")
+        if view.run.quarantine:
+            q = view.run.quarantine
+            click.echo(f"  quarantined since {_iso(q.since_ms)}: {q.reason}")
         for a in view.attempts:
             lease = a.lease
             lease_text = (
@@ -304,6 +316,10 @@ cli.add_command(trigger_cmds.workflows)
 from adapters.cli import credential_cmds  # noqa: E402  (commands defined in their own module)
 
 cli.add_command(credential_cmds.credentials)
+
+from adapters.cli import ops_cmds  # noqa: E402  (commands defined in their own module)
+
+ops_cmds.register(cli, runs)
 
 
 def main(argv: list[str] | None = None) -> int:

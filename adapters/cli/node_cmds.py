@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -23,10 +24,25 @@ def _postgres_url(url: str) -> str:
     return url
 
 
-def _configure_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), format=LOG_FORMAT, stream=sys.stderr)
-    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
-    logging.getLogger("httpcore").setLevel(max(logging.WARNING, logging.getLogger().level))
+def _configure_logging(
+    level: str,
+    log_format: str = "text",
+    context: dict[str, str] | None = None,
+    secrets: tuple[str | None, ...] = (),
+) -> None:
+    from adapters import logs
+
+    logs.configure(level, log_format, context=context, secrets=secrets)
+
+
+log_format_option = click.option(
+    "--log-format",
+    type=click.Choice(["text", "json"]),
+    default="text",
+    show_default=True,
+    help="json: one JSON object per line, with run_id, attempt_id, worker_id and step fields "
+    "where they apply.",
+)
 
 
 @click.command()
@@ -68,6 +84,7 @@ def _configure_logging(level: str) -> None:
     show_default=True,
 )
 @secure.serve_options
+@log_format_option
 def serve(
     host: str,
     port: int,
@@ -78,6 +95,7 @@ def serve(
     ingress_database_url: str | None,
     access_log: bool,
     log_level: str,
+    log_format: str,
     **security: Any,
 ) -> None:
     """Run a cluster node: the scheduler cadence and the worker ingress in one process.
@@ -96,7 +114,23 @@ def serve(
     ingress_url = options.pop("ingress_database_url")
     if ingress_url:
         ingress_url = _postgres_url(_database_url(ingress_url))
-    _configure_logging(log_level)
+    from adapters.logs import url_password
+    from adapters.secrets import SecretUnavailable
+
+    ingress_password = None
+    if (password_source := options.get("ingress_password_source")) is not None:
+        with contextlib.suppress(SecretUnavailable):  # refused at the first connection
+            ingress_password = password_source()
+    _configure_logging(
+        log_level,
+        log_format,
+        secrets=(
+            options.get("registration_token"),
+            url_password(url),
+            url_password(ingress_url),
+            ingress_password,
+        ),
+    )
     tls = options.pop("tls")
     container = node.build(
         database_url=url,
@@ -128,6 +162,7 @@ def serve(
             log_level=log_level,
             run_startup_recovery=False,
             **tls,
+            own_log_config=log_format == "text",
         )
     finally:
         sock.close()
@@ -182,6 +217,14 @@ def serve(
     default="info",
     show_default=True,
 )
+@click.option(
+    "--metrics-port",
+    type=click.IntRange(0, 65535),
+    default=None,
+    help="Serve Prometheus metrics at http://HOST:PORT/metrics.",
+)
+@click.option("--metrics-host", default="127.0.0.1", show_default=True)
+@log_format_option
 @secure.worker_options
 def worker(
     ingress_url: str,
@@ -194,6 +237,9 @@ def worker(
     log_level: str,
     credential_file: str | None,
     ca_file: str | None,
+    metrics_port: int | None,
+    metrics_host: str,
+    log_format: str,
 ) -> None:
     """Run tasks from a node's ingress: claim work for the free slots, run each task in its
     slot's child process, report it. SIGTERM (or ^C) drains: no new work, running tasks
@@ -212,7 +258,8 @@ def worker(
         tasks = load_app(app_spec)
     except AppLoadError as error:
         raise click.BadParameter(str(error), param_hint="--app") from None
-    _configure_logging(log_level)
+    token = os.environ.get("QL3_REGISTRATION_TOKEN") or None
+    _configure_logging(log_level, log_format, context={"worker_id": worker_id}, secrets=(token,))
     settings = WorkerSettings(
         ingress_url=ingress_url,
         app_spec=app_spec,
@@ -226,6 +273,10 @@ def worker(
         ca_file=ca_file,
     )
     runner = Worker(settings)
+    if metrics_port is not None:
+        from adapters.prometheus import serve_worker_metrics
+
+        serve_worker_metrics(runner, metrics_host, metrics_port)
     signals = 0
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:

@@ -8,6 +8,7 @@ which every commit that queues a Run wakes it)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -24,6 +25,11 @@ DEFAULT_DATABASE = "ql3.sqlite"
 
 def _stamp(line: str) -> None:
     click.echo(time.strftime("%H:%M:%S ") + line)
+
+
+def _json_line(line: str) -> None:
+    """What the runner reports, as a JSON log line (on stderr, with every other line)."""
+    logging.getLogger("ql3.standalone").info(line)
 
 
 @contextmanager
@@ -78,6 +84,13 @@ def _importable_cwd() -> None:
     default=None,
     help="Seconds running tasks get to finish after SIGTERM.",
 )
+@click.option(
+    "--log-format",
+    type=click.Choice(["text", "json"]),
+    default="text",
+    show_default=True,
+    help="json: one JSON object per line.",
+)
 def standalone_command(
     app_spec: str,
     database_path: str,
@@ -85,9 +98,16 @@ def standalone_command(
     capacity: int | None,
     lease_ttl: float | None,
     drain_timeout: float | None,
+    log_format: str,
 ) -> None:
     """Execute the tasks of --app on an embedded database until SIGTERM or SIGINT."""
+    from adapters import logs
     from adapters.execution import AppLoadError, load_app
+
+    emit = _stamp
+    if log_format == "json":
+        logs.configure("info", log_format)
+        emit = _json_line
 
     _importable_cwd()
     try:
@@ -108,10 +128,10 @@ def standalone_command(
         from bootstrap import standalone as profile  # type: ignore[no-redef]
     container = profile.build(**settings)
     try:
-        runner = container.runner(tasks=tasks, emit=_stamp)
+        runner = container.runner(tasks=tasks, emit=emit)
         with _stop_on_signals(runner.request_stop):
             name = "edge" if edge else "standalone"
-            _stamp(f"ql3 {name} on {settings['database_path']}: tasks {', '.join(sorted(tasks))}")
+            emit(f"ql3 {name} on {settings['database_path']}: tasks {', '.join(sorted(tasks))}")
             runner.serve()
     finally:
         container.store().close()

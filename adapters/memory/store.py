@@ -35,10 +35,15 @@ from application.ports import (
     DispatchGateRepository,
     DueTrigger,
     EvidenceRepository,
+    EvidenceWaits,
+    NodeCycle,
+    OperationsView,
     Page,
+    QueueDepth,
     RecoveryCandidate,
     RunCandidate,
     RunRepository,
+    SessionCapacity,
     Snapshot,
     StoredEvent,
     TriggerRepository,
@@ -58,7 +63,12 @@ from domain.model import (
     WorkerSession,
 )
 from domain.recovery import find_not_running_evidence, is_recovery_candidate, is_resolvable
-from domain.states import NON_TERMINAL_ATTEMPT_STATUSES, OPEN_SESSION_STATUSES
+from domain.retry import is_due_retry, is_lost_retry_candidate
+from domain.states import (
+    CLAIMABLE_RUN_STATUSES,
+    NON_TERMINAL_ATTEMPT_STATUSES,
+    OPEN_SESSION_STATUSES,
+)
 from domain.transitions import Change
 from domain.triggers import Trigger, TriggerFiring
 from domain.workflows import WorkflowStep
@@ -532,6 +542,9 @@ class MemoryGateRepository:
     def __init__(self, uow: MemoryUnitOfWork) -> None:
         self._uow = uow
 
+    def get(self) -> DispatchGate:
+        return self._uow.read().gate
+
     def set(self, gate: DispatchGate) -> None:
         self._uow.write().gate = gate
 
@@ -561,6 +574,7 @@ class MemoryStore:
         self._state = _State()
         self._active: MemoryUnitOfWork | None = None
         self._closed = False
+        self._nodes: dict[str, NodeCycle] = {}
 
     # transactions
 
@@ -609,39 +623,69 @@ class MemoryStore:
         check_page_limit(limit)
         with self._lock:
             state, now = self._committed()
-            ranked: list[tuple[tuple[int, int, int, str], RecoveryCandidate]] = []
-            for attempt in state.attempts.values():
-                if attempt.status not in NON_TERMINAL_ATTEMPT_STATUSES:
-                    continue
-                run = state.runs[attempt.run_id]
-                lease = state.own_lease(attempt)
-                if lease is not None and lease.attempt_id != attempt.id:
-                    lease = None
-                if not is_recovery_candidate(run, attempt, lease, now):
-                    continue
-                session = state.sessions.get(attempt.session_id) if attempt.session_id else None
-                evidence = find_not_running_evidence(
-                    attempt, session, state.reports.get(attempt.id, ())
-                )
-                resolvable = is_resolvable(attempt, evidence)
-                expires = lease.expires_at_ms if lease is not None else None
-                key = (
-                    0 if resolvable else 1,
-                    0 if expires is None else 1,
-                    expires if expires is not None else 0,
-                    attempt.id,
-                )
-                candidate = RecoveryCandidate(
-                    run_id=run.id,
-                    attempt_id=attempt.id,
-                    attempt_status=attempt.status,
-                    lease_expires_at_ms=expires,
-                    resolvable=resolvable,
-                )
-                ranked.append((key, candidate))
-            ranked.sort(key=lambda pair: pair[0])
+            ranked = _ranked_recovery_candidates(state, now)
             items = tuple(candidate for _, candidate in ranked[: limit + 1])
             return Page(items=items[:limit], has_more=len(items) > limit, observed_at_ms=now)
+
+    # NodeRegistry and OperationsSource
+
+    def record_node_cycle(self, cycle: NodeCycle) -> None:
+        with self._lock:
+            self._require_open()
+            now = self.clock.now_ms()
+            before = self._nodes.get(cycle.node_id)
+            started = before.started_at_ms if before is not None else now
+            self._nodes[cycle.node_id] = replace(cycle, started_at_ms=started, last_cycle_at_ms=now)
+
+    def operations_view(self, limit: int) -> OperationsView:
+        check_page_limit(limit)
+        with self._lock:
+            state, now = self._committed()
+            queued: dict[str, list[int]] = {}
+            for run in state.runs.values():
+                if run.status in CLAIMABLE_RUN_STATUSES:
+                    queued.setdefault(run.task, []).append(run.updated_at_ms)
+            waiting = [
+                c.lease_expires_at_ms
+                if c.lease_expires_at_ms is not None
+                else state.attempts[c.attempt_id].updated_at_ms
+                for _, c in _ranked_recovery_candidates(state, now)
+                if not c.resolvable
+            ]
+            sessions = sorted(
+                (s for s in state.sessions.values() if s.status in OPEN_SESSION_STATUSES),
+                key=lambda s: s.worker_id,
+            )
+            held: dict[str, int] = {}
+            for lease in state.leases.values():
+                if lease.status is LeaseStatus.LEASED:
+                    held[lease.holder_session_id] = held.get(lease.holder_session_id, 0) + 1
+            quarantined = sorted(
+                (r for r in state.runs.values() if r.quarantine and not r.status.is_terminal),
+                key=lambda r: (r.quarantine.since_ms if r.quarantine else 0, r.id),
+            )
+            return OperationsView(
+                observed_at_ms=now,
+                gate=state.gate,
+                queues=tuple(
+                    QueueDepth(task=task, queued=len(times), oldest_ms=min(times))
+                    for task, times in sorted(queued.items())
+                ),
+                evidence=EvidenceWaits(
+                    count=len(waiting), oldest_ms=min(waiting) if waiting else None
+                ),
+                sessions=tuple(
+                    SessionCapacity(session=s, in_flight=held.get(s.id, 0)) for s in sessions
+                ),
+                quarantined=tuple(quarantined[:limit]),
+                quarantined_count=len(quarantined),
+                nodes=tuple(
+                    sorted(
+                        self._nodes.values(),
+                        key=lambda n: (-(n.last_cycle_at_ms or 0), n.node_id),
+                    )[:limit]
+                ),
+            )
 
     # LostRetryCandidateSource
 
@@ -650,11 +694,7 @@ class MemoryStore:
         with self._lock:
             state, now = self._committed()
             runs = sorted(
-                (
-                    r
-                    for r in state.runs.values()
-                    if r.owner is RunOwner.RUNTIME and r.status is RunStatus.LOST
-                ),
+                (r for r in state.runs.values() if is_lost_retry_candidate(r)),
                 key=lambda r: (r.updated_at_ms, r.id),
             )
             return self._run_page(state, runs, limit, now, lambda r: r.updated_at_ms)
@@ -663,14 +703,7 @@ class MemoryStore:
         check_page_limit(limit)
         with self._lock:
             state, now = self._committed()
-            due = [
-                r
-                for r in state.runs.values()
-                if r.owner is RunOwner.RUNTIME
-                and r.status is RunStatus.RETRY_WAIT
-                and r.next_attempt_at_ms is not None
-                and r.next_attempt_at_ms <= now
-            ]
+            due = [r for r in state.runs.values() if is_due_retry(r, now)]
             due.sort(key=lambda r: (r.next_attempt_at_ms or 0, r.id))
             return self._run_page(state, due, limit, now, lambda r: r.next_attempt_at_ms or 0)
 
@@ -736,6 +769,42 @@ class MemoryStore:
                 )
             )
         return Page(items=tuple(items), has_more=len(ordered) > limit, observed_at_ms=now)
+
+
+def _ranked_recovery_candidates(
+    state: _State, now: int
+) -> list[tuple[tuple[int, int, int, str], RecoveryCandidate]]:
+    """Every recovery candidate, in the order of the page (resolvable first, then by expiry)."""
+    ranked: list[tuple[tuple[int, int, int, str], RecoveryCandidate]] = []
+    for attempt in state.attempts.values():
+        if attempt.status not in NON_TERMINAL_ATTEMPT_STATUSES:
+            continue
+        run = state.runs[attempt.run_id]
+        lease = state.own_lease(attempt)
+        if lease is not None and lease.attempt_id != attempt.id:
+            lease = None
+        if not is_recovery_candidate(run, attempt, lease, now):
+            continue
+        session = state.sessions.get(attempt.session_id) if attempt.session_id else None
+        evidence = find_not_running_evidence(attempt, session, state.reports.get(attempt.id, ()))
+        resolvable = is_resolvable(attempt, evidence)
+        expires = lease.expires_at_ms if lease is not None else None
+        key = (
+            0 if resolvable else 1,
+            0 if expires is None else 1,
+            expires if expires is not None else 0,
+            attempt.id,
+        )
+        candidate = RecoveryCandidate(
+            run_id=run.id,
+            attempt_id=attempt.id,
+            attempt_status=attempt.status,
+            lease_expires_at_ms=expires,
+            resolvable=resolvable,
+        )
+        ranked.append((key, candidate))
+    ranked.sort(key=lambda pair: pair[0])
+    return ranked
 
 
 if TYPE_CHECKING:

@@ -211,7 +211,7 @@ def _run_page(
 def lost_runs_query(limit: int, clock_offset_ms: int = 0) -> Select:
     """Runtime-owned ``lost`` Runs, by (updated_at, id)."""
     return _run_page(
-        where=[_is(runs.c.status, RunStatus.LOST)],
+        where=[_is(runs.c.status, RunStatus.LOST), statements.not_quarantined()],
         since=runs.c.updated_at,
         limit=limit,
         clock_offset_ms=clock_offset_ms,
@@ -225,6 +225,7 @@ def due_retries_query(limit: int, clock_offset_ms: int = 0) -> Select:
         where=[
             _is(runs.c.status, RunStatus.RETRY_WAIT),
             runs.c.next_attempt_at <= store_now(clock_offset_ms),
+            statements.not_quarantined(),
         ],
         since=runs.c.next_attempt_at,
         limit=limit,

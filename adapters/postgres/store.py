@@ -44,7 +44,7 @@ from adapters.postgres.queries import (
     orphaned_runs_query,
     recovery_candidates_query,
 )
-from adapters.sql import rows, statements
+from adapters.sql import operations, rows, statements
 from adapters.sql.credentials import SqlCredentialRepository
 from adapters.sql.repositories import (
     SqlEvidenceRepository,
@@ -65,6 +65,8 @@ from application.ports import (
     DispatchGateRepository,
     DueTrigger,
     EvidenceRepository,
+    NodeCycle,
+    OperationsView,
     Page,
     RecoveryCandidate,
     RunCandidate,
@@ -627,6 +629,29 @@ class PostgresStore:
 
     def due_triggers(self, limit: int) -> Page[DueTrigger]:
         return trigger_pages.due_triggers(self, limit)
+
+    def record_node_cycle(self, cycle: NodeCycle) -> None:
+        now = queries.store_now(self._clock_offset_ms)
+        with self.engine.begin() as connection:
+            if connection.execute(operations.update_node(cycle, now)).rowcount == 0:
+                connection.execute(operations.insert_node(cycle, now))
+
+    def operations_view(self, limit: int) -> OperationsView:
+        """Read in one read-only snapshot, on demand (never on the cadence)."""
+        check_page_limit(limit)
+        offset = self._clock_offset_ms
+        with self.engine.connect() as connection:
+            connection.exec_driver_sql("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+            now = int(connection.execute(queries.now_statement(offset)).scalar_one())
+            view = operations.operations_view(
+                lambda statement: connection.execute(statement).mappings().all(),
+                now=queries.store_now(offset),
+                observed_at_ms=now,
+                limit=limit,
+                spelling=queries.POSTGRES,
+            )
+            connection.rollback()
+        return view
 
     def workflow_candidates(self, limit: int) -> Page[RunCandidate]:
         return workflow_pages.workflow_candidates(self, limit)

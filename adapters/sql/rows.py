@@ -20,6 +20,7 @@ from domain.model import (
     EvidenceKind,
     JsonValue,
     LeaseStatus,
+    Quarantine,
     ReleaseReason,
     Run,
     RunOwner,
@@ -101,7 +102,16 @@ def run_values(run: Run) -> Values:
         "parent_run_id": run.parent_run_id,
         "created_at": run.created_at_ms,
         "updated_at": run.updated_at_ms,
+        "quarantined_at": run.quarantine.since_ms if run.quarantine else None,
+        "quarantine_reason": run.quarantine.reason if run.quarantine else None,
     }
+
+
+def quarantine_from_row(row: Row, prefix: str = "") -> Quarantine | None:
+    since = row.get(f"{prefix}quarantined_at")
+    if since is None:
+        return None
+    return Quarantine(reason=_field(row, prefix, "quarantine_reason"), since_ms=int(since))
 
 
 def run_from_row(row: Row, prefix: str = "") -> Run:
@@ -117,6 +127,7 @@ def run_from_row(row: Row, prefix: str = "") -> Run:
         output=_json(_field(row, prefix, "output")),
         error=_field(row, prefix, "error"),
         parent_run_id=_field(row, prefix, "parent_run_id"),
+        quarantine=quarantine_from_row(row, prefix),
         created_at_ms=int(_field(row, prefix, "created_at")),
         updated_at_ms=int(_field(row, prefix, "updated_at")),
     )

@@ -208,6 +208,9 @@ runs = Table(
     Column("parent_run_id", identifier(), nullable=True),
     Column("created_at", EpochMillis(), nullable=False),
     Column("updated_at", EpochMillis(), nullable=False),
+    # An operator's quarantine (ADR 0010): set together, cleared together.
+    Column("quarantined_at", EpochMillis(), nullable=True),
+    Column("quarantine_reason", Text(), nullable=True),
     PrimaryKeyConstraint("id", name="pk_runs"),
     CheckConstraint(_one_of("owner", _enum_values(RunOwner)), name="owner"),
     CheckConstraint(_one_of("status", _enum_values(RunStatus)), name="status"),
@@ -252,6 +255,15 @@ Index(
     runs.c.id,
     postgresql_where=text("status = 'created'"),
     sqlite_where=text("status = 'created'"),
+)
+# Quarantined Runs are few and listed by ``ql3 status`` and the metrics on every scrape.
+QUARANTINED_RUN = "quarantined_at IS NOT NULL"
+Index(
+    "ix_runs_quarantined",
+    runs.c.quarantined_at,
+    runs.c.id,
+    postgresql_where=text(QUARANTINED_RUN),
+    sqlite_where=text(QUARANTINED_RUN),
 )
 # A claim's candidates are the pristine Attempts of queued Runs of a task, oldest Attempt first.
 # An Attempt never changed since it was created was created with its Run's move into ``queued``
@@ -446,8 +458,33 @@ dispatch_gate = Table(
     Column("open", Boolean(), nullable=False, server_default=true()),
     Column("reason", Text(), nullable=True),
     Column("changed_at", EpochMillis(), nullable=True),
+    # The candidate the failing step is stuck on, cycle after cycle (ADR 0010).
+    Column("failed_step", Text(), nullable=True),
+    Column("failed_run_id", identifier(), nullable=True),
+    Column("failed_attempt_id", identifier(), nullable=True),
+    Column("failed_error", Text(), nullable=True),
+    Column("failed_since", EpochMillis(), nullable=True),
+    Column("failed_cycles", Integer(), nullable=True),
     PrimaryKeyConstraint("id", name="pk_dispatch_gate"),
     CheckConstraint(f"id = {DISPATCH_GATE_ID}", name="one_row"),
+)
+
+# --- scheduler nodes ----------------------------------------------------------------------------
+#
+# One row per node id: when its last cycle ended and how (ADR 0010), written by the node after a
+# cycle at most every few seconds (and whenever the outcome changes), never by the cycle itself.
+
+scheduler_nodes = Table(
+    "scheduler_nodes",
+    metadata,
+    Column("id", identifier(), nullable=False),
+    Column("started_at", EpochMillis(), nullable=False),
+    Column("last_cycle_at", EpochMillis(), nullable=False),
+    Column("last_ok", Boolean(), nullable=False),
+    Column("aborted_at", Text(), nullable=True),
+    Column("cycles", BigInteger(), nullable=False),
+    PrimaryKeyConstraint("id", name="pk_scheduler_nodes"),
+    CheckConstraint("cycles >= 0", name="cycles"),
 )
 
 # --- triggers and workflows ----------------------------------------------------------------------
@@ -612,4 +649,5 @@ ALL_TABLES = (
     dispatch_gate,
     worker_credentials,
     worker_credential_events,
+    scheduler_nodes,
 )

@@ -47,7 +47,7 @@ from adapters.sql.schema import (
     runs,
     worker_sessions,
 )
-from application.ports import DispatchGate
+from application.ports import DispatchGate, StepFailure
 from domain.events import RunEvent
 from domain.model import (
     Attempt,
@@ -71,7 +71,6 @@ from domain.states import (
 RUN_COLUMNS = "r_"
 ATTEMPT_COLUMNS = "a_"
 LEASE_COLUMNS = "l_"
-
 
 
 def const(value: str) -> ColumnElement[str]:
@@ -345,9 +344,24 @@ def reports_for(attempt_id: str) -> Select:
 # Every page query reads ``limit + 1`` rows to learn ``has_more``.
 
 
-def recovery_page(limit: int, now: ColumnElement[int] | int, spelling: Spelling) -> Select:
+def not_quarantined() -> ColumnElement[bool]:
+    """Recovery and lost retry pass over quarantined Runs (``domain.quarantine``)."""
+    return runs.c.quarantined_at.is_(None)
+
+
+@frozen(kw_only=True)
+class RecoverySource:
+    """What a recovery candidate is, on columns: the joined tables, the predicate, and whether
+    the candidate is resolvable (never started, a stop report, or its session gone)."""
+
+    tables: Any
+    where: tuple[ColumnElement[bool], ...]
+    resolvable: ColumnElement[bool]
+
+
+def recovery_source(now: ColumnElement[int] | int, spelling: Spelling) -> RecoverySource:
     """Runtime-owned, non-pristine claimed|starting|running Attempts of dispatching|running|lost
-    Runs whose own lease is missing, released or expired by ``now``; resolvable ones first."""
+    Runs, not quarantined, whose own lease is missing, released or expired by ``now``."""
     a = run_attempts.c
     r = runs.c
     l = run_dispatch_leases.c  # noqa: E741
@@ -356,8 +370,31 @@ def recovery_page(limit: int, now: ColumnElement[int] | int, spelling: Spelling)
         worker_sessions.c.id == a.session_id,
         spelling.one_of(worker_sessions.c.status, GONE_SESSION_STATUSES),
     )
-    resolvable = or_(spelling.is_(a.status, AttemptStatus.CLAIMED), stop_reported, session_gone)
     own_lease = and_(l.run_id == a.run_id, l.generation == a.lease_generation, l.attempt_id == a.id)
+    return RecoverySource(
+        tables=run_attempts.join(runs, r.id == a.run_id).outerjoin(run_dispatch_leases, own_lease),
+        where=(
+            spelling.one_of(a.status, NON_TERMINAL_ATTEMPT_STATUSES),
+            not_(pristine(a, spelling)),
+            spelling.is_(r.owner, RunOwner.RUNTIME),
+            spelling.one_of(r.status, RECOVERABLE_RUN_STATUSES),
+            not_quarantined(),
+            or_(
+                l.run_id.is_(None),
+                spelling.is_(l.status, LeaseStatus.RELEASED),
+                l.expires_at <= now,
+            ),
+        ),
+        resolvable=or_(spelling.is_(a.status, AttemptStatus.CLAIMED), stop_reported, session_gone),
+    )
+
+
+def recovery_page(limit: int, now: ColumnElement[int] | int, spelling: Spelling) -> Select:
+    """The candidates of :func:`recovery_source`, resolvable ones first."""
+    a = run_attempts.c
+    l = run_dispatch_leases.c  # noqa: E741
+    source = recovery_source(now, spelling)
+    resolvable = source.resolvable
     return (
         select(
             a.run_id.label("run_id"),
@@ -366,20 +403,8 @@ def recovery_page(limit: int, now: ColumnElement[int] | int, spelling: Spelling)
             l.expires_at.label("lease_expires_at"),
             resolvable.label("resolvable"),
         )
-        .select_from(
-            run_attempts.join(runs, r.id == a.run_id).outerjoin(run_dispatch_leases, own_lease)
-        )
-        .where(
-            spelling.one_of(a.status, NON_TERMINAL_ATTEMPT_STATUSES),
-            not_(pristine(a, spelling)),
-            spelling.is_(r.owner, RunOwner.RUNTIME),
-            spelling.one_of(r.status, RECOVERABLE_RUN_STATUSES),
-            or_(
-                l.run_id.is_(None),
-                spelling.is_(l.status, LeaseStatus.RELEASED),
-                l.expires_at <= now,
-            ),
-        )
+        .select_from(source.tables)
+        .where(*source.where)
         .order_by(resolvable.desc(), l.expires_at.asc().nulls_first(), spelling.by_id(a.id))
         .limit(limit + 1)
     )
@@ -413,9 +438,7 @@ def claimable(task: str, limit: int, spelling: Spelling, *, handed_back: bool) -
     a = run_attempts.c
     statement = (
         select(*run_columns(), *attempt_columns())
-        .select_from(
-            runs.join(run_attempts, and_(a.run_id == r.id, a.number == r.attempt_count))
-        )
+        .select_from(runs.join(run_attempts, and_(a.run_id == r.id, a.number == r.attempt_count)))
         .where(
             r.task == task,
             spelling.one_of(r.status, CLAIMABLE_RUN_STATUSES),
@@ -454,7 +477,31 @@ def get_gate() -> Select:
 
 
 def _gate_values(gate: DispatchGate) -> rows.Values:
-    return {"open": gate.open, "reason": gate.reason, "changed_at": gate.changed_at_ms}
+    failure = gate.failure
+    return {
+        "open": gate.open,
+        "reason": gate.reason,
+        "changed_at": gate.changed_at_ms,
+        "failed_step": failure.step if failure else None,
+        "failed_run_id": failure.run_id if failure else None,
+        "failed_attempt_id": failure.attempt_id if failure else None,
+        "failed_error": failure.error if failure else None,
+        "failed_since": failure.since_ms if failure else None,
+        "failed_cycles": failure.cycles if failure else None,
+    }
+
+
+def _failure_from_row(row: rows.Row, prefix: str) -> StepFailure | None:
+    if row.get(f"{prefix}failed_step") is None:
+        return None
+    return StepFailure(
+        step=row[f"{prefix}failed_step"],
+        run_id=row[f"{prefix}failed_run_id"],
+        attempt_id=row[f"{prefix}failed_attempt_id"],
+        error=row[f"{prefix}failed_error"],
+        since_ms=int(row[f"{prefix}failed_since"]),
+        cycles=int(row[f"{prefix}failed_cycles"]),
+    )
 
 
 def update_gate(gate: DispatchGate) -> Update:
@@ -479,4 +526,5 @@ def gate_from_row(row: rows.Row | None, prefix: str = "") -> DispatchGate:
         open=bool(row[f"{prefix}open"]),
         reason=row[f"{prefix}reason"],
         changed_at_ms=None if changed_at is None else int(changed_at),
+        failure=_failure_from_row(row, prefix),
     )

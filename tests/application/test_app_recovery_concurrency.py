@@ -8,6 +8,7 @@ from types import TracebackType
 
 import pytest
 
+from application.diagnosis import CandidateFailed
 from application.ports import Page, RecoveryCandidate
 from application.recovery import MAX_CONCURRENCY, RuntimeRecovery
 from domain.model import AttemptStatus
@@ -108,8 +109,9 @@ def test_every_candidate_is_resolved_once_whatever_the_concurrency(concurrency: 
 def test_a_failure_stops_the_pass_and_no_candidate_starts_after_it(concurrency: int) -> None:
     factory = Factory(fail_first=True)
     recovery = RuntimeRecovery(factory, Source(16), page_size=16, concurrency=concurrency)
-    with pytest.raises(ConnectionError, match="went away"):
+    with pytest.raises(CandidateFailed, match="went away") as failed:
         recovery.run_once()
+    assert isinstance(failed.value.__cause__, ConnectionError)
     # At most one candidate per other worker was under way when the first one failed.
     assert 1 <= factory.calls <= concurrency
 

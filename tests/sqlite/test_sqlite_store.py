@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from adapters.sql.sqlite import SchemaMismatch, SqliteStore
+from adapters.sql.sqlite import SCHEMA_VERSION, SchemaMismatch, SqliteStore
 from adapters.sql.sqlite.wake import WakeListener, poke
 from application.admission import Admission
 from application.dispatch import DispatchGateStep
@@ -302,7 +302,7 @@ def test_a_version_1_database_is_upgraded_in_place(tmp_path: Path) -> None:
 
     upgraded = SqliteStore(path)
     try:
-        assert _pragma(upgraded, "user_version") == 2
+        assert _pragma(upgraded, "user_version") == SCHEMA_VERSION == 3
         assert upgraded.dispatch_gate().open
         with upgraded.unit_of_work() as uow:
             indexes = {
@@ -329,7 +329,7 @@ def test_a_version_1_database_is_upgraded_in_place(tmp_path: Path) -> None:
         assert lease.release_reason is not None and lease.release_reason.value == "handed_back"
     finally:
         upgraded.close()
-    assert _pragma_of(path, "user_version") == 2
+    assert _pragma_of(path, "user_version") == SCHEMA_VERSION
 
 
 def _pragma_of(path: Path, name: str) -> object:

@@ -21,7 +21,9 @@ def test_submit_then_list_and_show_on_a_sqlite_database(
 
     assert main(["runs", "list", "--database-url", url, "--json"]) == 0
     listed = json.loads(capsys.readouterr().out)["runs"]
-    assert listed == [{"id": run_id, "task": "resize", "status": "queued", "attempts": 1}]
+    assert listed == [
+        {"id": run_id, "task": "resize", "status": "queued", "attempts": 1, "quarantined": False}
+    ]
 
     assert main(["runs", "show", run_id, "--database-url", url, "--json"]) == 0
     shown = json.loads(capsys.readouterr().out)

@@ -92,7 +92,7 @@ def _run_page(
 def lost_runs_query(limit: int) -> Select:
     """Runtime-owned ``lost`` Runs, by (updated_at, id)."""
     return _run_page(
-        where=[_is(runs.c.status, RunStatus.LOST)],
+        where=[_is(runs.c.status, RunStatus.LOST), statements.not_quarantined()],
         since=runs.c.updated_at,
         limit=limit,
         latest=True,
@@ -102,7 +102,11 @@ def lost_runs_query(limit: int) -> Select:
 def due_retries_query(limit: int, now_ms: int) -> Select:
     """Runtime-owned ``retry_wait`` Runs whose next_attempt_at the store's clock reached."""
     return _run_page(
-        where=[_is(runs.c.status, RunStatus.RETRY_WAIT), runs.c.next_attempt_at <= now_ms],
+        where=[
+            _is(runs.c.status, RunStatus.RETRY_WAIT),
+            runs.c.next_attempt_at <= now_ms,
+            statements.not_quarantined(),
+        ],
         since=runs.c.next_attempt_at,
         limit=limit,
         latest=True,
@@ -140,7 +144,9 @@ def in_flight_by_task(tasks: Iterable[str]) -> Select:
 def next_retry_at_query() -> Select:
     """The earliest ``next_attempt_at`` of runtime-owned ``retry_wait`` Runs (NULL if none)."""
     return select(func.min(runs.c.next_attempt_at)).where(
-        _is(runs.c.owner, RunOwner.RUNTIME), _is(runs.c.status, RunStatus.RETRY_WAIT)
+        _is(runs.c.owner, RunOwner.RUNTIME),
+        _is(runs.c.status, RunStatus.RETRY_WAIT),
+        statements.not_quarantined(),
     )
 
 

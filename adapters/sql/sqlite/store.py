@@ -27,7 +27,8 @@ Wake-ups
 Schema
     ``PRAGMA user_version`` is :data:`SCHEMA_VERSION`. A database of version 1 (before the
     claim protocol of ADR 0007) is brought to version 2 when it is opened: the dispatch gate,
-    the claim's candidate index, and the new release reason and event types.
+    the claim's candidate index, and the new release reason and event types; a database of
+    version 2 to version 3: the quarantine and the failing candidate (ADR 0010).
 
 ``SqliteStore(None)`` (or ``":memory:"``) is a private in-memory database on one connection,
 whose transactions are serialised by a lock: for tests and throw-away containers.
@@ -56,7 +57,7 @@ from sqlalchemy.pool import StaticPool
 from sqlalchemy.sql import Executable
 
 from adapters.batches import OneAtATime
-from adapters.sql import rows, statements
+from adapters.sql import operations, rows, statements
 from adapters.sql.repositories import (
     SqlEvidenceRepository,
     SqlGateRepository,
@@ -78,6 +79,8 @@ from application.ports import (
     DispatchGateRepository,
     DueTrigger,
     EvidenceRepository,
+    NodeCycle,
+    OperationsView,
     Page,
     RecoveryCandidate,
     RunCandidate,
@@ -105,8 +108,8 @@ __all__ = ["SCHEMA_VERSION", "SchemaMismatch", "SqliteStore", "SqliteUnitOfWork"
 
 # PRAGMA user_version of a database this store created; another value is refused, but for
 # UPGRADABLE_VERSION, which is upgraded in place.
-SCHEMA_VERSION = 2
-UPGRADABLE_VERSION = 1
+SCHEMA_VERSION = 3
+UPGRADABLE_VERSIONS = (1, 2)
 MEMORY = ":memory:"
 BEGIN_OPTION = "ql3_sqlite_begin"
 
@@ -420,7 +423,7 @@ class SqliteStore:
         # Take the write lock, then look again: another process may be creating it right now.
         with self._transaction() as connection:
             version = int(connection.exec_driver_sql("PRAGMA user_version").scalar_one())
-            if version not in (0, UPGRADABLE_VERSION, SCHEMA_VERSION):
+            if version not in (0, *UPGRADABLE_VERSIONS, SCHEMA_VERSION):
                 raise SchemaMismatch(
                     f"{self.path or MEMORY} has schema version {version}, this store needs "
                     f"{SCHEMA_VERSION}"
@@ -433,8 +436,10 @@ class SqliteStore:
                     raise SchemaMismatch(f"{self.path} is not a QL3 runtime database")
                 metadata.create_all(connection)
                 connection.execute(statements.insert_gate(OPEN_GATE))
-            elif version == UPGRADABLE_VERSION:
-                upgrade_from_version_1(connection)
+            else:
+                if version == 1:
+                    upgrade_from_version_1(connection)
+                upgrade_from_version_2(connection)
             connection.exec_driver_sql(f"PRAGMA user_version = {SCHEMA_VERSION}")
             connection.commit()
 
@@ -591,6 +596,26 @@ class SqliteStore:
         )
         return Page(items=items[:limit], has_more=len(items) > limit, observed_at_ms=now)
 
+    def record_node_cycle(self, cycle: NodeCycle) -> None:
+        with self._transaction() as connection:
+            now = self.now_ms()
+            if connection.execute(operations.update_node(cycle, now)).rowcount == 0:
+                connection.execute(operations.insert_node(cycle, now))
+            connection.commit()
+
+    def operations_view(self, limit: int) -> OperationsView:
+        """Read in one read transaction, on demand (never on the cadence)."""
+        check_page_limit(limit)
+        with self._transaction(read_only=True) as connection:
+            now = self.now_ms()
+            return operations.operations_view(
+                lambda statement: connection.execute(statement).mappings().all(),
+                now=_clock(now),
+                observed_at_ms=now,
+                limit=limit,
+                spelling=queries.SQLITE,
+            )
+
     # due times: what an idle executing process may sleep until
 
     def next_due_at_ms(self) -> int | None:
@@ -617,6 +642,31 @@ def _nothing() -> None:
 # Tables whose CHECK constraints version 2 widened; SQLite cannot alter a constraint, so they are
 # rebuilt (nothing references them by a foreign key).
 _REBUILT_IN_VERSION_2 = ("run_dispatch_leases", "run_events")
+# Version 3 (ADR 0010): new columns on these, and the quarantine event types.
+_WIDENED_IN_VERSION_3 = ("runs", "dispatch_gate")
+_REBUILT_IN_VERSION_3 = ("run_events",)
+
+
+def _rebuild(connection: Connection, names: Sequence[str], version: int) -> None:
+    """Recreate each table with the checks of the declared schema, rows kept (ids included)."""
+    tables = metadata.tables
+    for name in names:
+        table = tables[name]
+        for index in table.indexes:
+            connection.exec_driver_sql(f"DROP INDEX IF EXISTS {index.name}")
+        connection.exec_driver_sql(f"ALTER TABLE {name} RENAME TO {name}_version_{version}")
+        table.create(connection)
+        columns = ", ".join(column.name for column in table.columns)
+        connection.exec_driver_sql(
+            f"INSERT INTO {name} ({columns}) SELECT {columns} FROM {name}_version_{version}"
+        )
+        connection.exec_driver_sql(f"DROP TABLE {name}_version_{version}")
+
+
+def _create_missing_indexes(connection: Connection) -> None:
+    for table in metadata.sorted_tables:
+        for index in table.indexes:
+            index.create(connection, checkfirst=True)
 
 
 def upgrade_from_version_1(connection: Connection) -> None:
@@ -624,24 +674,35 @@ def upgrade_from_version_1(connection: Connection) -> None:
     ``ix_runs_claimable`` instead of ``ix_runs_queued``, ``ix_run_attempts_handed_back``, and
     ``run_dispatch_leases`` and ``run_events`` rebuilt with the checks of the declared schema
     (rows kept, ids included)."""
-    tables = metadata.tables
-    for name in _REBUILT_IN_VERSION_2:
-        table = tables[name]
-        for index in table.indexes:
-            connection.exec_driver_sql(f"DROP INDEX IF EXISTS {index.name}")
-        connection.exec_driver_sql(f"ALTER TABLE {name} RENAME TO {name}_version_1")
-        table.create(connection)
-        columns = ", ".join(column.name for column in table.columns)
-        connection.exec_driver_sql(
-            f"INSERT INTO {name} ({columns}) SELECT {columns} FROM {name}_version_1"
-        )
-        connection.exec_driver_sql(f"DROP TABLE {name}_version_1")
+    _add_missing_columns(connection, ("runs",))  # the indexes of version 3 need them
+    _rebuild(connection, _REBUILT_IN_VERSION_2, 1)
     connection.exec_driver_sql("DROP INDEX IF EXISTS ix_runs_queued")
     metadata.create_all(connection)  # the tables that are missing: the gate
-    for table in metadata.sorted_tables:  # and the indexes missing on the others
-        for index in table.indexes:
-            index.create(connection, checkfirst=True)
+    _create_missing_indexes(connection)  # and the indexes missing on the others
     connection.execute(statements.insert_gate(OPEN_GATE))
+
+
+def _add_missing_columns(connection: Connection, names: Sequence[str]) -> None:
+    for name in names:
+        table = metadata.tables[name]
+        present = {
+            row[1] for row in connection.exec_driver_sql(f"PRAGMA table_info({name})").fetchall()
+        }
+        for column in table.columns:
+            if column.name not in present:
+                kind = column.type.compile(dialect=connection.dialect)
+                connection.exec_driver_sql(f"ALTER TABLE {name} ADD COLUMN {column.name} {kind}")
+
+
+def upgrade_from_version_2(connection: Connection) -> None:
+    """Version 2 to 3, inside the caller's write transaction: the quarantine columns of
+    ``runs`` and the failing candidate's of ``dispatch_gate`` (nullable, added in place),
+    ``run_events`` rebuilt for the quarantine event types, ``ix_runs_quarantined``,
+    ``scheduler_nodes``."""
+    _add_missing_columns(connection, _WIDENED_IN_VERSION_3)
+    _rebuild(connection, _REBUILT_IN_VERSION_3, 2)
+    metadata.create_all(connection)  # the tables that are missing: the scheduler nodes
+    _create_missing_indexes(connection)
 
 
 def _clock(now_ms: int) -> ColumnElement[int]:
