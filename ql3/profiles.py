@@ -13,7 +13,7 @@ from typing import Any
 from application.admission import Admission
 from application.tasks import TaskRegistry
 from bootstrap.producer import Producer, open_postgres_store, open_sqlite_store
-from ql3.runtime import Runtime, UnsupportedTransaction
+from ql3.runtime import FinishSignal, Notified, Runtime, UnsupportedTransaction
 
 log = logging.getLogger("ql3")
 
@@ -38,6 +38,8 @@ class ClusterRuntime(Runtime):
         super().__init__(Producer(store), tasks)
         self._node: Any = None
         self._node_lock = threading.Lock()
+        self._finished: Notified | None = None
+        self._finished_listener: Any = None
 
     def _admission_in(self, transaction: object) -> Admission:
         from adapters.postgres import borrowed
@@ -47,6 +49,20 @@ class ClusterRuntime(Runtime):
         except borrowed.UnsupportedTransaction as error:
             raise UnsupportedTransaction(str(error)) from None
         return self._producer.admission_in(lambda: unit_of_work)
+
+    def _finish_signal(self) -> FinishSignal:
+        """Woken by ``NOTIFY ql3_run_finished`` on one LISTEN connection of this runtime,
+        opened by the first wait and closed with the runtime."""
+        with self._node_lock:
+            if self._finished is None:
+                from adapters.postgres.listen import DispatchListener
+                from adapters.postgres.queries import FINISHED_CHANNEL
+
+                signal = Notified()
+                listener = DispatchListener(self._url, signal.notify, channel=FINISHED_CHANNEL)
+                listener.start()
+                self._finished, self._finished_listener = signal, listener
+            return self._finished
 
     def node(self) -> Any:
         """The node's container (``bootstrap.node``) on this runtime's store, built once."""
@@ -86,6 +102,8 @@ class ClusterRuntime(Runtime):
 
     def close(self) -> None:
         super().close()
+        if self._finished_listener is not None:
+            self._finished_listener.stop(5.0)
         if self._node is not None:
             ingress = self._node.ingress_store()
             if ingress is not self.store:

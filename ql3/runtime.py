@@ -182,27 +182,29 @@ class Runtime:
 
     def wait(self, run_id: str, timeout: float = 30.0) -> RunInfo:
         """Block until the run finished (succeeded, failed or cancelled) and return it; raise
-        :class:`WaitTimeout` after ``timeout`` seconds."""
+        :class:`WaitTimeout` after ``timeout`` seconds. On PostgreSQL the wait is woken by the
+        notification a commit that finishes runs sends; elsewhere it reads again after growing
+        pauses."""
         deadline = time.monotonic() + timeout
-        with self._finish_signal() as woken:
-            pause = POLL_FIRST_S
-            while True:
-                info = self.get(run_id)
-                if info.finished:
-                    return info
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise WaitTimeout(f"run {run_id} is still {info.status.value}")
-                woken(min(left, pause))
-                pause = min(POLL_LAST_S, pause * 2)
+        signal = self._finish_signal()
+        pause = POLL_FIRST_S
+        while True:
+            mark = signal.mark()
+            info = self.get(run_id)
+            if info.finished:
+                return info
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise WaitTimeout(f"run {run_id} is still {info.status.value}")
+            signal.wait(mark, min(left, pause))
+            pause = min(signal.longest_pause_s, pause * 2)
 
     async def await_run(self, run_id: str, timeout: float = 30.0) -> RunInfo:
         """:meth:`wait` for asyncio code."""
         return await asyncio.to_thread(self.wait, run_id, timeout)
 
-    def _finish_signal(self) -> Any:
-        """A context giving a ``wait(seconds)`` that returns early when some run finished."""
-        return _Sleeping()
+    def _finish_signal(self) -> FinishSignal:
+        return SLEEPING
 
     def cancel(self, run_id: str, reason: str = "cancelled") -> None:
         """Cancel a run that has not started (``queued``, ``created`` or ``retry_wait``): it
@@ -259,14 +261,44 @@ class Runtime:
         self.close()
 
 
-class _Sleeping:
-    """No notification: a wait sleeps."""
+class FinishSignal:
+    """What a wait sleeps on between two reads of its run: without notifications, a pause."""
 
-    def __enter__(self) -> Callable[[float], None]:
-        return time.sleep
+    longest_pause_s = POLL_LAST_S
 
-    def __exit__(self, *_exc: object) -> None:
-        return None
+    def mark(self) -> int:
+        return 0
+
+    def wait(self, mark: int, seconds: float) -> None:
+        time.sleep(seconds)
+
+
+SLEEPING = FinishSignal()
+
+
+class Notified(FinishSignal):
+    """Woken by a notification: :meth:`notify` (called by the listener's thread) ends every
+    wait that began before it. The longest pause is a safety net for the time the listening
+    connection is down."""
+
+    longest_pause_s = 1.0
+
+    def __init__(self) -> None:
+        self._changed = threading.Condition()
+        self._generation = 0
+
+    def notify(self) -> None:
+        with self._changed:
+            self._generation += 1
+            self._changed.notify_all()
+
+    def mark(self) -> int:
+        with self._changed:
+            return self._generation
+
+    def wait(self, mark: int, seconds: float) -> None:
+        with self._changed:
+            self._changed.wait_for(lambda: self._generation != mark, seconds)
 
 
 def _submission(item: Submission | tuple[Task, object] | Sequence[Any]) -> Submission:

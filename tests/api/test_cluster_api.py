@@ -173,3 +173,41 @@ def test_start_stop_and_the_mounted_ingress(clean: ql3.Runtime) -> None:
     finally:
         clean.stop()
     clean.stop()  # idempotent
+
+
+def test_a_commit_that_finishes_runs_notifies_the_waiters(
+    clean: ql3.Runtime, pg_database_url: str
+) -> None:
+    with psycopg.connect(_libpq(pg_database_url), autocommit=True) as listener:
+        listener.execute("LISTEN ql3_run_finished")
+        first, second = clean.submit_many([("echo", 1), ("echo", 2)])
+        assert list(listener.notifies(timeout=0.2, stop_after=1)) == []  # queued: not finished
+        clean.cancel(first)
+        assert len(list(listener.notifies(timeout=5, stop_after=1))) == 1
+        signal = clean._finish_signal()  # the runtime's own listener, as a wait uses it
+        deadline = time.monotonic() + 5
+        while not clean._finished_listener.connected and time.monotonic() < deadline:  # type: ignore[attr-defined]
+            time.sleep(0.01)
+        mark = signal.mark()
+        _worker(clean).run_due()
+        signal.wait(mark, 5)
+        assert signal.mark() != mark
+        assert clean.wait(second, timeout=1).succeeded
+
+
+def test_the_trigger_knows_the_domains_terminal_statuses() -> None:
+    import importlib.util
+    from pathlib import Path
+
+    from adapters.postgres.queries import FINISHED_CHANNEL
+    from domain.model import TERMINAL_RUN_STATUSES
+    from domain.states import values
+
+    path = Path("adapters/postgres/migrations/versions/r0008_run_finished.py")
+    spec = importlib.util.spec_from_file_location("r0008_run_finished", path)
+    assert spec is not None and spec.loader is not None
+    migration = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(migration)
+    written = migration._TERMINAL.strip("()").replace("'", "").split(", ")
+    assert sorted(written) == list(values(TERMINAL_RUN_STATUSES))
+    assert migration.FINISHED_CHANNEL == FINISHED_CHANNEL
