@@ -37,7 +37,15 @@ def _script(rt: ql3.Runtime, run_due: Callable[[], int]) -> list[Any]:
     for run_id in ids:
         info = rt.get(run_id)
         seen.append(
-            (info.task, info.status, info.input, info.output, info.error, info.attempts, info.policy)
+            (
+                info.task,
+                info.status,
+                info.input,
+                info.output,
+                info.error,
+                info.attempts,
+                info.policy,
+            )
         )
     return seen
 
@@ -61,4 +69,4 @@ def test_memory_and_sqlite_agree(tmp_path: Path) -> None:
 
     assert observed == expected
     assert expected[0] == 7  # every run but the cancelled one started once
-    assert ("explode", ql3.RunStatus.FAILED) == expected[5][:2]
+    assert expected[5][:2] == ("explode", ql3.RunStatus.FAILED)
