@@ -69,4 +69,12 @@ def test_memory_and_sqlite_agree(tmp_path: Path) -> None:
 
     assert observed == expected
     assert expected[0] == 7  # every run but the cancelled one started once
-    assert ("explode", ql3.RunStatus.FAILED, 3, None, "ValueError: bad payload 3") in expected
+    assert (
+        "explode",
+        ql3.RunStatus.FAILED,
+        3,
+        None,
+        "ValueError: bad payload 3",
+        1,
+        None,
+    ) in expected
