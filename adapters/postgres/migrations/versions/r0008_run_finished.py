@@ -37,6 +37,8 @@ def upgrade() -> None:
         $$
         """
     )
+    # Only a trigger calls it; no role, the ingress role included, may execute it otherwise.
+    op.execute("REVOKE ALL ON FUNCTION ql3_notify_run_finished() FROM PUBLIC")
     op.execute(
         f"""
         CREATE TRIGGER runs_finished_notify
