@@ -69,15 +69,22 @@ def _accepts_context(fn: Callable[..., Any]) -> bool:
     return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
 
 
-def invoke_task(fn: Callable[..., Any], payload: Any, context: TaskContext) -> Any:
+def invoke_task(
+    fn: Callable[..., Any],
+    payload: Any,
+    context: TaskContext,
+    *,
+    run: Callable[[Any], Any] | None = None,
+) -> Any:
     """Call ``fn(payload)`` (with ``context=`` when it takes it) and check the result is JSON.
-    An ``async def`` task runs to its end on an event loop of its own.
+    An ``async def`` task runs to its end on an event loop: ``run`` (the awaitable's runner;
+    :func:`run_awaitable` by default).
 
     Any exception, including a result that is not JSON, propagates: the caller fails the
     attempt with it."""
     result = fn(payload, context=context) if _accepts_context(fn) else fn(payload)
     if inspect.isawaitable(result):
-        result = run_awaitable(result)
+        result = (run or run_awaitable)(result)
     json.dumps(result)
     return result
 
