@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, cast
 
-from adapters.execution import TaskContext, invoke_task
 from adapters.memory import FakeClock, MemoryStore
 from adapters.memory.clock import DEFAULT_START_MS
+from adapters.standalone.pool import execute_grant
 from application.admission import Admission
 from application.ports import UnitOfWork
 from application.tasks import TaskRegistry
@@ -117,16 +117,13 @@ class InlineWorker:
         return self._session
 
     def _execute(self, grant: Grant) -> Completion:
-        context = TaskContext(
-            run_id=grant.run_id,
-            attempt_number=grant.attempt_number,
-            idempotency_key=grant.idempotency_key,
+        outcome = execute_grant(self._tasks, grant)
+        return Completion(
+            fence=grant.fence,
+            succeeded=outcome.succeeded,
+            output=outcome.output,
+            error=outcome.error,
         )
-        try:
-            output = invoke_task(self._tasks[grant.task], grant.input, context)
-        except Exception as error:
-            return Completion(fence=grant.fence, succeeded=False, error=_error_text(error))
-        return Completion(fence=grant.fence, succeeded=True, output=output)
 
 
 def _started(grant: Grant) -> Started:
@@ -136,10 +133,6 @@ def _started(grant: Grant) -> Started:
         attempt_number=grant.attempt_number,
         input=grant.input,
     )
-
-
-def _error_text(error: BaseException) -> str:
-    return f"{type(error).__name__}: {error}"[:10_000]
 
 
 class InMemoryRuntime(Runtime):

@@ -20,6 +20,7 @@ import queue
 import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from adapters.execution import TaskContext, TaskMapping, invoke_task
 from application.worker_commands import Grant
@@ -144,18 +145,21 @@ class InProcessPool:
         return asyncio.run(body())
 
     def _execute(self, grant: Grant) -> Outcome:
-        context = TaskContext(
-            run_id=grant.run_id,
-            attempt_number=grant.attempt_number,
-            idempotency_key=grant.idempotency_key,
-        )
-        try:
-            function = self._tasks[grant.task]
-            output = invoke_task(
-                function, grant.input, context, run=lambda aw: self._run_async(grant, aw)
-            )
-            return Outcome(attempt_id=grant.attempt_id, succeeded=True, output=output)
-        except BaseException as error:  # task code may raise anything; it fails the Attempt
-            return Outcome(
-                attempt_id=grant.attempt_id, succeeded=False, error=describe_error(error)
-            )
+        return execute_grant(self._tasks, grant, run=lambda aw: self._run_async(grant, aw))
+
+
+def execute_grant(
+    tasks: TaskMapping, grant: Grant, *, run: Callable[[Any], Any] | None = None
+) -> Outcome:
+    """Run the granted Attempt's task in this thread (``run`` runs an async task's awaitable)
+    and say how it ended. Task code may raise anything: that fails the Attempt."""
+    context = TaskContext(
+        run_id=grant.run_id,
+        attempt_number=grant.attempt_number,
+        idempotency_key=grant.idempotency_key,
+    )
+    try:
+        output = invoke_task(tasks[grant.task], grant.input, context, run=run)
+        return Outcome(attempt_id=grant.attempt_id, succeeded=True, output=output)
+    except BaseException as error:
+        return Outcome(attempt_id=grant.attempt_id, succeeded=False, error=describe_error(error))

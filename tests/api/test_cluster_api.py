@@ -143,14 +143,15 @@ def test_a_refused_submit_leaves_the_callers_transaction_usable(
 
 
 def test_asyncio_submit_and_wait(clean: ql3.Runtime) -> None:
-    worker = _worker(clean)
+    worker = threading.Timer(0.1, _worker(clean).run_due)
 
     async def scenario() -> Any:
         run_id = await clean.asubmit("double", 5)
-        threading.Timer(0.1, worker.run_due).start()
+        worker.start()
         return await clean.await_run(run_id, timeout=10)
 
     info = asyncio.run(scenario())
+    worker.join()  # it must not run what follows
     assert info.succeeded and info.output == 10
     pending = clean.submit("echo", 1)
     with pytest.raises(ql3.WaitTimeout):
