@@ -11,12 +11,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from functools import cached_property
+from typing import TYPE_CHECKING, Any
 
 from application.admission import Admission
 from application.identities import RandomIdentities
 from application.ports import SchedulerStore
-from application.queries import RunQueries
+
+if TYPE_CHECKING:
+    from application.queries import RunQueries
 
 SQLITE_BUSY_TIMEOUT_S = 30.0
 
@@ -44,12 +47,17 @@ class Producer:
 
     store: SchedulerStore
     admission: Admission = field(init=False)
-    queries: RunQueries = field(init=False)
     identities: RandomIdentities = field(default_factory=RandomIdentities)
 
     def __post_init__(self) -> None:
         self.admission = Admission(self.store.unit_of_work, self.identities)
-        self.queries = RunQueries(self.store.unit_of_work)
+
+    @cached_property
+    def queries(self) -> RunQueries:
+        """The run queries (loaded when first asked for: a submit does not need them)."""
+        from application.queries import RunQueries
+
+        return RunQueries(self.store.unit_of_work)
 
     def admission_in(self, unit_of_work: Callable[[], Any]) -> Admission:
         """Admission writing through another unit of work (the caller's transaction)."""

@@ -15,7 +15,7 @@ import click
 from adapters.cli import db_cmds, standalone_cmds
 from application.admission import UnknownRun
 from application.budgets import InvalidPageSize
-from application.worker_commands import UnknownAttempt
+from application.lookups import UnknownAttempt
 from domain.errors import DomainError
 from domain.model import RunStatus
 from domain.policy import Backoff, RetryPolicy, Safety
