@@ -14,6 +14,7 @@ from application.tasks import InvalidInput, TaskDefinition, TaskRegistry, Unknow
 from domain.errors import DomainError, InvalidAdmission, InvalidRetryPolicy, InvalidTransition
 from domain.model import RunStatus
 from domain.policy import Backoff, RetryPolicy, Safety
+from ql3.profiles import ClusterRuntime, StandaloneRuntime
 from ql3.runtime import (
     RunInfo,
     Runtime,
@@ -24,6 +25,7 @@ from ql3.runtime import (
 
 __all__ = [
     "Backoff",
+    "ClusterRuntime",
     "DomainError",
     "InvalidAdmission",
     "InvalidInput",
@@ -34,6 +36,7 @@ __all__ = [
     "RunStatus",
     "Runtime",
     "Safety",
+    "StandaloneRuntime",
     "Submission",
     "TaskContext",
     "TaskDefinition",
@@ -48,27 +51,25 @@ __all__ = [
 ]
 
 
-def cluster(database_url: str, *, tasks: TaskRegistry | None = None, **settings: Any) -> Runtime:
+def cluster(
+    database_url: str, *, tasks: TaskRegistry | None = None, **settings: Any
+) -> ClusterRuntime:
     """The Cluster runtime on PostgreSQL (``postgresql+psycopg://...``). ``settings`` are those
     of ``bootstrap.node`` (``cadence_s``, ``lease_ttl_s``, ``pool_size``,
     ``ingress_database_url``, ...). The store is opened now; nothing runs until ``start()``."""
-    from ql3.profiles import ClusterRuntime
-
     return ClusterRuntime(database_url, tasks, settings)
 
 
 def standalone(
     database_path: str, *, tasks: TaskRegistry | None = None, **settings: Any
-) -> Runtime:
+) -> StandaloneRuntime:
     """The Standalone runtime on a SQLite file (created when missing). ``settings`` are those
     of ``bootstrap.standalone`` (``capacity``, ``lease_ttl_s``, ...)."""
-    from ql3.profiles import StandaloneRuntime
-
     return StandaloneRuntime(database_path, tasks, settings)
 
 
-def edge(database_path: str, *, tasks: TaskRegistry | None = None, **settings: Any) -> Runtime:
+def edge(
+    database_path: str, *, tasks: TaskRegistry | None = None, **settings: Any
+) -> StandaloneRuntime:
     """The Edge runtime: Standalone with smaller budgets and no resident wake-ups."""
-    from ql3.profiles import StandaloneRuntime
-
     return StandaloneRuntime(database_path, tasks, settings, edge=True)

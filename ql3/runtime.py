@@ -97,6 +97,7 @@ class Runtime:
         self._producer = producer
         self._tasks = tasks
         self._started = False
+        self._stopped = False
         self._closed = False
         self._lock = threading.Lock()
 
@@ -217,10 +218,10 @@ class Runtime:
     # --- lifecycle --------------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Start the profile's work in this process (idempotent)."""
+        """Start the profile's work in this process (idempotent; once per runtime)."""
         with self._lock:
-            if self._closed:
-                raise RuntimeError("a closed runtime cannot start")
+            if self._closed or self._stopped:
+                raise RuntimeError("a stopped or closed runtime cannot start again: build one")
             if self._started:
                 return
             self._start()
@@ -232,6 +233,7 @@ class Runtime:
             if not self._started:
                 return
             self._started = False
+            self._stopped = True
             self._stop(timeout)
 
     def close(self) -> None:
