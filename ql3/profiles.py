@@ -58,7 +58,8 @@ class ClusterRuntime(Runtime):
                 from adapters.postgres.listen import DispatchListener
                 from adapters.postgres.queries import FINISHED_CHANNEL
 
-                signal = Notified()
+                listener: Any = None
+                signal = Notified(lambda: listener is not None and listener.connected)
                 listener = DispatchListener(self._url, signal.notify, channel=FINISHED_CHANNEL)
                 listener.start()
                 self._finished, self._finished_listener = signal, listener

@@ -28,6 +28,7 @@ Task = str | Callable[..., Any]
 # first to the last value.
 POLL_FIRST_S = 0.005
 POLL_LAST_S = 0.25
+NOTIFIED_PAUSE_S = 5.0
 
 
 class WaitTimeout(TimeoutError):
@@ -280,14 +281,18 @@ SLEEPING = FinishSignal()
 
 class Notified(FinishSignal):
     """Woken by a notification: :meth:`notify` (called by the listener's thread) ends every
-    wait that began before it. The longest pause is a safety net for the time the listening
-    connection is down."""
+    wait that began before it. While ``listening()`` a wait reads again only when woken (or
+    every :data:`NOTIFIED_PAUSE_S`, a safety net); while the listening connection is down it
+    reads again after growing pauses, as without notifications."""
 
-    longest_pause_s = 1.0
-
-    def __init__(self) -> None:
+    def __init__(self, listening: Callable[[], bool]) -> None:
+        self._listening = listening
         self._changed = threading.Condition()
         self._generation = 0
+
+    @property
+    def longest_pause_s(self) -> float:  # type: ignore[override]
+        return NOTIFIED_PAUSE_S if self._listening() else POLL_LAST_S
 
     def notify(self) -> None:
         with self._changed:
