@@ -21,6 +21,7 @@ test: venv
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+	cd examples/shop && ../../$(VENV)/bin/python -m pytest
 
 demo: venv
 	$(VENV)/bin/ql3 demo

@@ -9,6 +9,7 @@ from application.ports import Identities, UnitOfWorkFactory
 from domain.errors import InvalidTransition
 from domain.model import JsonValue, RunOwner
 from domain.policy import RetryPolicy
+from domain.states import WAITING_RUN_STATUSES
 from domain.transitions import admit, cancel
 
 MAX_BATCH = 10_000
@@ -60,12 +61,23 @@ class Admission:
     def cancel(self, run_id: str, reason: str = "cancelled by operator") -> None:
         """Cancel a non-terminal Run; its live lease is released, so a late worker's completion
         is refused by the fence."""
+        self._cancel(run_id, reason, waiting_only=False)
+
+    def cancel_waiting(self, run_id: str, reason: str = "cancelled") -> None:
+        """Cancel a Run that no Attempt executes yet (``created``, ``queued``, ``retry_wait``);
+        a started or finished Run is refused and nothing changes."""
+        self._cancel(run_id, reason, waiting_only=True)
+
+    def _cancel(self, run_id: str, reason: str, *, waiting_only: bool) -> None:
         with self._uow_factory() as uow:
             snapshot = uow.runs.lock_run(run_id)
             if snapshot is None:
                 raise UnknownRun(run_id)
-            if snapshot.run.status.is_terminal:
-                raise InvalidTransition("run", run_id, snapshot.run.status.value, "be cancelled")
+            status = snapshot.run.status
+            if status.is_terminal:
+                raise InvalidTransition("run", run_id, status.value, "be cancelled")
+            if waiting_only and status not in WAITING_RUN_STATUSES:
+                raise InvalidTransition("run", run_id, status.value, "be cancelled once started")
             change = cancel(
                 run=snapshot.run,
                 attempt=snapshot.attempt,

@@ -13,6 +13,7 @@ import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from application.lookups import UnknownAttempt
 from application.ports import (
     NO_METRICS,
     ClaimLock,
@@ -62,10 +63,6 @@ class UnknownSession(SessionRejected):
 
 class SessionUnauthorized(SessionRejected):
     """The session secret does not match."""
-
-
-class UnknownAttempt(LookupError):
-    """No Attempt with that id."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,6 +16,7 @@ from application.recovery import RuntimeRecovery
 from application.scheduler import ClusterSchedulerCoordinator, ClusterSchedulerLifecycle
 from application.startup import StartupRecovery
 from bootstrap.core import DEFAULTS, RuntimeCoreContainer
+from bootstrap.producer import open_postgres_store
 
 CLUSTER_DEFAULTS: dict[str, object] = {
     **DEFAULTS,
@@ -28,12 +29,6 @@ CLUSTER_DEFAULTS: dict[str, object] = {
     "startup_page_size": 64,
     "pool_size": 5,
 }
-
-
-def open_postgres_store(database_url: str, pool_size: int) -> SchedulerStore:
-    from adapters.postgres.store import PostgresStore
-
-    return PostgresStore.from_url(database_url, pool_size=pool_size)
 
 
 class ClusterContainer(containers.DeclarativeContainer):

@@ -288,14 +288,20 @@ def create_node_app(
             await asyncio.to_thread(lifecycle.stop, STOP_TIMEOUT_S)
             close_stores(container)
 
+    return ingress_app(container, lifespan=lifespan)
+
+
+def ingress_app(container: NodeContainer, *, lifespan: Any = None) -> FastAPI:
+    """The worker ingress of the node's container, as an ASGI app. Without ``lifespan`` it
+    starts nothing: an application that mounts it starts and stops the runtime itself."""
     app = create_app(
         container.ingress_commands(),
-        signal=claims,
+        signal=container.claim_signal(),
         max_body_bytes=container.config.max_body_bytes(),
         registration_token=container.config.registration_token(),
         registration=container.registration(),
         heartbeat_interval_ms=container.heartbeat_interval_ms(),
-        on_attempts_ended=lifecycle.wake,
+        on_attempts_ended=container.lifecycle().wake,
         lifespan=lifespan,
     )
     app.include_router(metrics_routes(container.metrics_registry()[0]))

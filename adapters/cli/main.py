@@ -15,7 +15,7 @@ import click
 from adapters.cli import db_cmds, standalone_cmds
 from application.admission import UnknownRun
 from application.budgets import InvalidPageSize
-from application.worker_commands import UnknownAttempt
+from application.lookups import UnknownAttempt
 from domain.errors import DomainError
 from domain.model import RunStatus
 from domain.policy import Backoff, RetryPolicy, Safety
@@ -85,6 +85,24 @@ def _cluster(database_url: str | None, **settings: Any) -> Iterator[Any]:
         yield container
     finally:
         container.store().close()
+
+
+@contextmanager
+def _producer(database_url: str | None) -> Iterator[Any]:
+    """Admission and the run queries on the database's store, without a profile's container
+    (quick to import: no dependency-injector, no web framework)."""
+    from bootstrap import producer
+
+    url = _database_url(database_url)
+    if url.startswith(SQLITE_URL_PREFIX):
+        store = producer.open_sqlite_store(_sqlite_path(url))
+    else:
+        store = producer.open_postgres_store(url, pool_size=1)
+    built = producer.Producer(store)
+    try:
+        yield built
+    finally:
+        built.close()
 
 
 def _emit(as_json: bool, document: object, text: Callable[[], None]) -> None:
@@ -163,8 +181,8 @@ def submit(
             safety=Safety(safety) if safety else None,
             backoff=Backoff(initial_ms=initial_ms, cap_ms=max(initial_ms, 300_000)),
         )
-    with _cluster(database_url) as container:
-        run_id = container.core.admission().submit(task, payload, policy)
+    with _producer(database_url) as producer:
+        run_id = producer.admission.submit(task, payload, policy)
     _emit(as_json, {"run_id": run_id}, lambda: click.echo(run_id))
 
 

@@ -3,6 +3,22 @@
 Shared by every executor (the remote worker and the Standalone/Edge in-process pool), so a
 task behaves the same wherever it runs."""
 
-from adapters.execution.app import AppLoadError, TaskContext, TaskMapping, invoke_task, load_app
+from adapters.execution.app import (
+    AppLoadError,
+    TaskContext,
+    TaskMapping,
+    invoke_task,
+    is_async_task,
+    load_app,
+    run_awaitable,
+)
 
-__all__ = ["AppLoadError", "TaskContext", "TaskMapping", "invoke_task", "load_app"]
+__all__ = [
+    "AppLoadError",
+    "TaskContext",
+    "TaskMapping",
+    "invoke_task",
+    "is_async_task",
+    "load_app",
+    "run_awaitable",
+]

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import inspect
 import json
+import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -67,11 +69,55 @@ def _accepts_context(fn: Callable[..., Any]) -> bool:
     return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
 
 
-def invoke_task(fn: Callable[..., Any], payload: Any, context: TaskContext) -> Any:
+def invoke_task(
+    fn: Callable[..., Any],
+    payload: Any,
+    context: TaskContext,
+    *,
+    run: Callable[[Any], Any] | None = None,
+) -> Any:
     """Call ``fn(payload)`` (with ``context=`` when it takes it) and check the result is JSON.
+    An ``async def`` task runs to its end on an event loop: ``run`` (the awaitable's runner;
+    :func:`run_awaitable` by default).
 
     Any exception, including a result that is not JSON, propagates: the caller fails the
     attempt with it."""
     result = fn(payload, context=context) if _accepts_context(fn) else fn(payload)
+    if inspect.isawaitable(result):
+        result = (run or run_awaitable)(result)
     json.dumps(result)
     return result
+
+
+def is_async_task(fn: Callable[..., Any]) -> bool:
+    """An ``async def`` task (or a callable object whose ``__call__`` is one)."""
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+        getattr(fn, "__call__", None)  # noqa: B004  (a callable object's own method)
+    )
+
+
+def run_awaitable(awaitable: Any) -> Any:
+    """Run ``awaitable`` on a new event loop; on a thread of its own when this thread already
+    runs a loop (a task called inline from asyncio code)."""
+
+    async def body() -> Any:
+        return await awaitable
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(body())
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["value"] = asyncio.run(body())
+        except BaseException as error:
+            outcome["error"] = error
+
+    thread = threading.Thread(target=run, name="ql3-inline-task")
+    thread.start()
+    thread.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome.get("value")

@@ -6,14 +6,21 @@ store) reports it through the worker protocol. Its threads are started as they a
 and then kept, each taking the next task when it is free: no thread is started per Attempt.
 Threads are daemons: a process that stops before a task returns does not wait for it (the
 task's Attempt is then abandoned or, after a crash, recovered at the next boot).
+
+An ``async def`` task runs on an event loop of its thread; :meth:`InProcessPool.cancel` cancels
+it (the runner does when the Attempt's lease is lost). A thread cannot be killed: a sync task,
+or an async task that ignores its cancellation, runs on until it returns, and the fence refuses
+its outcome (ADR 0009).
 """
 
 from __future__ import annotations
 
+import asyncio
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from adapters.execution import TaskContext, TaskMapping, invoke_task
 from application.worker_commands import Grant
@@ -70,6 +77,8 @@ class InProcessPool:
         self._lock = threading.Lock()
         self._idle = 0
         self._threads = 0
+        # The event loop and task of each async task running now, by attempt id.
+        self._running: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future[object]]] = {}
 
     @property
     def task_names(self) -> list[str]:
@@ -93,6 +102,16 @@ class InProcessPool:
             self._idle -= 1
         self._work.put(execution.grant)
 
+    def cancel(self, attempt_id: str) -> bool:
+        """Cancel the attempt's task if it is an async task running now; True if it was."""
+        with self._lock:
+            running = self._running.get(attempt_id)
+        if running is None:
+            return False
+        loop, task = running
+        loop.call_soon_threadsafe(task.cancel)
+        return True
+
     def finished(self) -> list[Outcome]:
         """Outcomes of tasks that returned since the last call."""
         outcomes: list[Outcome] = []
@@ -112,17 +131,35 @@ class InProcessPool:
             self._finished.put(outcome)
             self._notify()
 
+    def _run_async(self, grant: Grant, awaitable: Awaitable[object]) -> object:
+        async def body() -> object:
+            task = asyncio.ensure_future(awaitable)
+            with self._lock:
+                self._running[grant.attempt_id] = (asyncio.get_running_loop(), task)
+            try:
+                return await task
+            finally:
+                with self._lock:
+                    self._running.pop(grant.attempt_id, None)
+
+        return asyncio.run(body())
+
     def _execute(self, grant: Grant) -> Outcome:
-        context = TaskContext(
-            run_id=grant.run_id,
-            attempt_number=grant.attempt_number,
-            idempotency_key=grant.idempotency_key,
-        )
-        try:
-            function = self._tasks[grant.task]
-            output = invoke_task(function, grant.input, context)
-            return Outcome(attempt_id=grant.attempt_id, succeeded=True, output=output)
-        except BaseException as error:  # task code may raise anything; it fails the Attempt
-            return Outcome(
-                attempt_id=grant.attempt_id, succeeded=False, error=describe_error(error)
-            )
+        return execute_grant(self._tasks, grant, run=lambda aw: self._run_async(grant, aw))
+
+
+def execute_grant(
+    tasks: TaskMapping, grant: Grant, *, run: Callable[[Any], Any] | None = None
+) -> Outcome:
+    """Run the granted Attempt's task in this thread (``run`` runs an async task's awaitable)
+    and say how it ended. Task code may raise anything: that fails the Attempt."""
+    context = TaskContext(
+        run_id=grant.run_id,
+        attempt_number=grant.attempt_number,
+        idempotency_key=grant.idempotency_key,
+    )
+    try:
+        output = invoke_task(tasks[grant.task], grant.input, context, run=run)
+        return Outcome(attempt_id=grant.attempt_id, succeeded=True, output=output)
+    except BaseException as error:
+        return Outcome(attempt_id=grant.attempt_id, succeeded=False, error=describe_error(error))

@@ -506,9 +506,10 @@ class StandaloneRunner:
             if result.ok:
                 execution.renew_at = now + self._renew_every()
                 continue
-            # The lease's authority is gone: the task keeps running, but the fence will refuse
-            # its outcome.
+            # The lease's authority is gone: an async task is cancelled; any other task keeps
+            # running, but the fence will refuse its outcome.
             execution.orphaned = True
+            self._pool.cancel(execution.grant.attempt_id)
             self._emit(f"{execution.label} lost its lease: {result.message}")
 
     def _renew_every(self) -> float:

@@ -3,7 +3,12 @@
 Python cannot stop a thread, so every task runs in a child process (one per slot, reused from
 task to task). Stopping a task kills the child's whole process group with SIGKILL; the slot then
 starts a fresh child for the next task. Children die with the worker (parent-death signal), so a
-killed worker leaves no task of its behind."""
+killed worker leaves no task of its behind.
+
+An ``async def`` task is stopped by cancelling it first: the child gets ``SIGUSR1`` and cancels
+the task's coroutine; a task that has not ended ``cancel_grace_s`` later (it ignored the
+cancellation) has its slot killed as above. A task that let itself be cancelled leaves its child
+running for the next task (ADR 0009)."""
 
 from __future__ import annotations
 
@@ -18,6 +23,8 @@ from dataclasses import dataclass
 from typing import IO, Any
 
 READY_TIMEOUT_S = 60.0
+CANCEL_GRACE_S = 5.0
+CANCEL_SIGNAL = signal.SIGUSR1
 
 
 class SlotError(Exception):
@@ -60,12 +67,17 @@ class SlotProcess:
     """Runs jobs in a child process. :meth:`run` is called by one thread at a time (the slot's
     own); :meth:`kill` may be called from any thread."""
 
-    def __init__(self, app_spec: str, name: str = "slot") -> None:
+    def __init__(
+        self, app_spec: str, name: str = "slot", *, cancel_grace_s: float = CANCEL_GRACE_S
+    ) -> None:
         self._app_spec = app_spec
         self._name = name
+        self._cancel_grace_s = cancel_grace_s
         self._lock = threading.Lock()
         self._process: subprocess.Popen[bytes] | None = None
         self._current: str | None = None
+        self._current_is_async = False
+        self._async_tasks: frozenset[str] = frozenset()
         self._killed = False
         self._cancelled: set[str] = set()  # stopped before their job reached the child
 
@@ -100,6 +112,10 @@ class SlotProcess:
         with self._lock:
             self._process = process
             self._killed = False
+            names = ready.get("async_tasks")
+            self._async_tasks = (
+                frozenset(map(str, names)) if isinstance(names, list) else frozenset()
+            )
 
     def run(self, job: Job) -> JobOutcome:
         with self._lock:
@@ -116,6 +132,7 @@ class SlotProcess:
                 self._process = None
                 return JobOutcome(succeeded=False, error=f"the slot process {gone}", started=False)
             self._current = job.attempt_id
+            self._current_is_async = job.task in self._async_tasks
             self._killed = False
         assert process.stdin is not None and process.stdout is not None
         request = {
@@ -137,7 +154,8 @@ class SlotProcess:
             self._current = None
             killed = self._killed
         if killed:
-            self._reap()
+            if not _cancelled_answer(line):  # killed, or it ended some other way meanwhile
+                self._reap()
             return JobOutcome(succeeded=False, error="stopped by the worker", killed=True)
         if not line:
             code = self._reap()
@@ -164,8 +182,24 @@ class SlotProcess:
             if process is None or self._current is None:
                 return False
             self._killed = True
+            current, cancel_first = self._current, self._current_is_async
+        if cancel_first and self._cancel_grace_s > 0:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(process.pid, CANCEL_SIGNAL)
+            timer = threading.Timer(self._cancel_grace_s, self._kill_if_running, (current,))
+            timer.daemon = True
+            timer.start()
+            return True
         _kill_group(process)
         return True
+
+    def _kill_if_running(self, attempt_id: str) -> None:
+        """The end of a cancellation's grace: kill the slot if the task still runs."""
+        with self._lock:
+            process = self._process
+            still_running = self._current == attempt_id
+        if process is not None and still_running:
+            _kill_group(process)
 
     def close(self) -> None:
         with self._lock:
@@ -188,6 +222,14 @@ class SlotProcess:
             return None
         _kill_group(process)
         return process.wait()
+
+
+def _cancelled_answer(line: bytes) -> bool:
+    """The child's answer says the async task let itself be cancelled."""
+    try:
+        return bool(line) and bool(json.loads(line).get("cancelled"))
+    except (ValueError, AttributeError):
+        return False
 
 
 def _write_line(pipe: IO[bytes], data: bytes) -> None:

@@ -1,0 +1,181 @@
+"""Tasks declared with their retry policy: a registry an application builds at import time.
+
+A :class:`TaskRegistry` is a mapping of task names to callables, so every executor that takes
+today's ``MODULE:ATTR`` mapping takes a registry too. Each task may carry a policy template
+(safety, retry on lost, maximum attempts, backoff); :meth:`TaskRegistry.request` snapshots it into
+the admission request, and a submit may give a policy of its own instead. What is admitted is the
+snapshot, as for any Run (ADR 0009)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from application.admission import AdmissionRequest
+from domain.errors import InvalidAdmission
+from domain.model import JsonValue
+from domain.policy import Backoff, RetryPolicy, Safety
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class UnknownTask(InvalidAdmission):
+    """The registry declares no task of that name (or that function)."""
+
+
+class InvalidInput(InvalidAdmission):
+    """A run's input is not a JSON value."""
+
+
+@dataclass(frozen=True, slots=True)
+class TaskDefinition:
+    """A declared task: its name, its code and the policy each admission snapshots."""
+
+    name: str
+    fn: Callable[..., Any]
+    policy: RetryPolicy | None
+
+
+def json_input(value: object) -> JsonValue:
+    """``value`` when it is a JSON value (what a JSON round trip keeps unchanged in meaning),
+    else :class:`InvalidInput`. NaN and infinities are refused: JSON has none."""
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError) as error:
+        raise InvalidInput(f"the input is not JSON: {error}") from None
+    return value  # type: ignore[return-value]  # checked just above
+
+
+def policy_template(
+    *,
+    safety: Safety | str | None = None,
+    retry_on_lost: bool = False,
+    max_attempts: int = 1,
+    backoff: Backoff | None = None,
+) -> RetryPolicy | None:
+    """The policy of a task declaration; None (no policy: never retried) when nothing is
+    declared."""
+    declared = safety is not None or retry_on_lost or max_attempts != 1 or backoff is not None
+    if not declared:
+        return None
+    try:
+        chosen = Safety(safety) if safety is not None else None
+    except ValueError:
+        choices = ", ".join(s.value for s in Safety)
+        raise InvalidAdmission(f"safety must be one of {choices}") from None
+    return RetryPolicy(
+        retry_on_lost=retry_on_lost,
+        max_attempts=max_attempts,
+        safety=chosen,
+        backoff=backoff if backoff is not None else Backoff(),
+    )
+
+
+class TaskRegistry(Mapping[str, Callable[..., Any]]):
+    """Task names mapped to their code, each with its policy template.
+
+    Declare with the decorator::
+
+        tasks = TaskRegistry()
+
+        @tasks.task(safety="idempotent", retry_on_lost=True, max_attempts=3)
+        def resize(payload): ...
+
+    The decorated function is returned unchanged."""
+
+    def __init__(self) -> None:
+        self._definitions: dict[str, TaskDefinition] = {}
+        self._names: dict[int, str] = {}
+
+    # --- declaring ------------------------------------------------------------------------------
+
+    def task(
+        self,
+        fn: Callable[..., Any] | None = None,
+        /,
+        *,
+        name: str | None = None,
+        safety: Safety | str | None = None,
+        retry_on_lost: bool = False,
+        max_attempts: int = 1,
+        backoff: Backoff | None = None,
+        policy: RetryPolicy | None = None,
+    ) -> Any:
+        """Declare a task (its name defaults to the function's). Give the template either as
+        ``policy=`` or as its parts; a task declared with neither is admitted without a policy."""
+        if policy is not None and (
+            safety is not None or retry_on_lost or max_attempts != 1 or backoff is not None
+        ):
+            raise InvalidAdmission("give a task's policy either as policy= or as its parts")
+        template = policy or policy_template(
+            safety=safety, retry_on_lost=retry_on_lost, max_attempts=max_attempts, backoff=backoff
+        )
+
+        def declare(function: F) -> F:
+            self.add(function, name=name, policy=template)
+            return function
+
+        return declare(fn) if fn is not None else declare
+
+    def add(
+        self, fn: Callable[..., Any], *, name: str | None = None, policy: RetryPolicy | None = None
+    ) -> TaskDefinition:
+        """Declare ``fn`` without the decorator."""
+        if not callable(fn):
+            raise InvalidAdmission("a task must be callable")
+        task_name = name if name is not None else getattr(fn, "__name__", "")
+        if not task_name or task_name.strip() != task_name:
+            raise InvalidAdmission(f"a task needs a name without padding, got {task_name!r}")
+        if task_name in self._definitions:
+            raise InvalidAdmission(f"task {task_name!r} is declared twice")
+        definition = TaskDefinition(name=task_name, fn=fn, policy=policy)
+        self._definitions[task_name] = definition
+        self._names.setdefault(id(fn), task_name)
+        return definition
+
+    # --- reading --------------------------------------------------------------------------------
+
+    def definition(self, task: str | Callable[..., Any]) -> TaskDefinition:
+        """The declaration of a task given by name or by its function."""
+        if isinstance(task, str):
+            found = self._definitions.get(task)
+            if found is None:
+                raise UnknownTask(f"no task {task!r} is declared (known: {self._known()})")
+            return found
+        name = self._names.get(id(task))
+        if name is None or self._definitions[name].fn is not task:
+            label = getattr(task, "__qualname__", repr(task))
+            raise UnknownTask(f"{label} is not a declared task (known: {self._known()})")
+        return self._definitions[name]
+
+    def request(
+        self,
+        task: str | Callable[..., Any],
+        input: object = None,
+        *,
+        policy: RetryPolicy | None = None,
+    ) -> AdmissionRequest:
+        """What to admit: the task's name, its input checked as JSON, and the given policy or
+        else the task's template (the snapshot that counts)."""
+        definition = self.definition(task)
+        return AdmissionRequest(
+            task=definition.name,
+            input=json_input(input),
+            policy=policy if policy is not None else definition.policy,
+        )
+
+    def _known(self) -> str:
+        return ", ".join(sorted(self._definitions)) or "none"
+
+    # --- the mapping every executor takes -----------------------------------------------------
+
+    def __getitem__(self, name: str) -> Callable[..., Any]:
+        return self._definitions[name].fn
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._definitions)
+
+    def __len__(self) -> int:
+        return len(self._definitions)

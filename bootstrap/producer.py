@@ -1,0 +1,67 @@
+"""The producer's composition root: a store with admission, cancellation and the run queries,
+for a process that submits and reads but runs no scheduler and no task (``ql3 submit``, an
+application's web process before it starts the runtime).
+
+It is built without a dependency-injector container, so that importing it loads neither that
+library nor, through it, a web framework: a submit from the command line stays quick (ADR 0009).
+The profile's container (:mod:`bootstrap.cluster`, :mod:`bootstrap.standalone`) is built on the
+same store only when the application starts the runtime."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import TYPE_CHECKING, Any
+
+from application.admission import Admission
+from application.identities import RandomIdentities
+from application.ports import SchedulerStore
+
+if TYPE_CHECKING:
+    from application.queries import RunQueries
+
+SQLITE_BUSY_TIMEOUT_S = 30.0
+
+
+def open_postgres_store(database_url: str, pool_size: int) -> SchedulerStore:
+    from adapters.postgres.store import PostgresStore
+
+    return PostgresStore.from_url(database_url, pool_size=pool_size)
+
+
+def open_sqlite_store(
+    database_path: str | None,
+    *,
+    busy_timeout_s: float = SQLITE_BUSY_TIMEOUT_S,
+    synchronous: str = "FULL",
+) -> SchedulerStore:
+    from adapters.sql.sqlite import SqliteStore
+
+    return SqliteStore(database_path, busy_timeout_s=busy_timeout_s, synchronous=synchronous)
+
+
+@dataclass
+class Producer:
+    """Admission and the run queries on one store; :meth:`close` closes the store."""
+
+    store: SchedulerStore
+    admission: Admission = field(init=False)
+    identities: RandomIdentities = field(default_factory=RandomIdentities)
+
+    def __post_init__(self) -> None:
+        self.admission = Admission(self.store.unit_of_work, self.identities)
+
+    @cached_property
+    def queries(self) -> RunQueries:
+        """The run queries (loaded when first asked for: a submit does not need them)."""
+        from application.queries import RunQueries
+
+        return RunQueries(self.store.unit_of_work)
+
+    def admission_in(self, unit_of_work: Callable[[], Any]) -> Admission:
+        """Admission writing through another unit of work (the caller's transaction)."""
+        return Admission(unit_of_work, self.identities)
+
+    def close(self) -> None:
+        self.store.close()

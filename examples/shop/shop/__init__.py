@@ -1,0 +1,1 @@
+"""A small shop: orders admitted with their shipping run in one transaction."""

@@ -1,0 +1,162 @@
+"""The runtimes of the Cluster and Standalone/Edge profiles, built from settings.
+
+Each opens its store when built (through :mod:`bootstrap.producer`, which loads no
+dependency-injector and no web framework) and builds the profile's composition root on that same
+store only when started."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+from application.admission import Admission
+from application.tasks import TaskRegistry
+from bootstrap.producer import Producer, open_postgres_store, open_sqlite_store
+from ql3.runtime import FinishSignal, Notified, Runtime, UnsupportedTransaction
+
+log = logging.getLogger("ql3")
+
+POSTGRES_PREFIXES = ("postgresql+psycopg://", "postgresql://")
+
+
+class ClusterRuntime(Runtime):
+    """The Cluster profile on PostgreSQL. :meth:`start` runs startup recovery, then this
+    process's scheduler replica (the one cadence) and the dispatch listener that wakes the
+    parked claims of :meth:`ingress_app`."""
+
+    profile = "cluster"
+
+    def __init__(
+        self, database_url: str, tasks: TaskRegistry | None, settings: dict[str, Any]
+    ) -> None:
+        if not database_url.startswith(POSTGRES_PREFIXES):
+            raise ValueError("the Cluster database URL must start with postgresql+psycopg://")
+        self._url = database_url.replace("postgresql://", "postgresql+psycopg://", 1)
+        self._settings = dict(settings)
+        store = open_postgres_store(self._url, int(self._settings.get("pool_size", 5)))
+        super().__init__(Producer(store), tasks)
+        self._node: Any = None
+        self._node_lock = threading.Lock()
+        self._finished: Notified | None = None
+        self._finished_listener: Any = None
+
+    def _admission_in(self, transaction: object) -> Admission:
+        from adapters.postgres import borrowed
+
+        try:
+            unit_of_work = borrowed.caller_unit_of_work(self.store, transaction)
+        except borrowed.UnsupportedTransaction as error:
+            raise UnsupportedTransaction(str(error)) from None
+        return self._producer.admission_in(lambda: unit_of_work)
+
+    def _finish_signal(self) -> FinishSignal:
+        """Woken by ``NOTIFY ql3_run_finished`` on one LISTEN connection of this runtime,
+        opened by the first wait and closed with the runtime."""
+        with self._node_lock:
+            if self._finished is None:
+                from adapters.postgres.listen import DispatchListener
+                from adapters.postgres.queries import FINISHED_CHANNEL
+
+                listener: Any = None
+                signal = Notified(lambda: listener is not None and listener.connected)
+                listener = DispatchListener(self._url, signal.notify, channel=FINISHED_CHANNEL)
+                listener.start()
+                self._finished, self._finished_listener = signal, listener
+            return self._finished
+
+    def node(self) -> Any:
+        """The node's container (``bootstrap.node``) on this runtime's store, built once."""
+        with self._node_lock:
+            if self._node is None:
+                from bootstrap import node
+
+                container = node.build(store=self.store, database_url=self._url, **self._settings)
+                if self._settings.get("ingress_database_url"):
+                    container.ingress_store.reset_override()
+                self._node = container
+            return self._node
+
+    def ingress_app(self) -> Any:
+        """The worker ingress as an ASGI app, to mount in the application's own server (or to
+        serve). It starts nothing itself: :meth:`start` and :meth:`stop` do."""
+        from bootstrap import node
+
+        return node.ingress_app(self.node())
+
+    def _start(self) -> None:
+        container = self.node()
+        report = container.cluster.startup_recovery().run()
+        log.info("startup recovery: %s", report.counts())
+        listener = container.dispatch_listener()
+        if listener is not None:
+            listener.start()
+        container.lifecycle().start()
+
+    def _stop(self, timeout: float) -> None:
+        container = self._node
+        container.claim_signal().close()
+        listener = container.dispatch_listener()
+        if listener is not None:
+            listener.stop(timeout)
+        container.lifecycle().stop(timeout)
+
+    def close(self) -> None:
+        super().close()
+        if self._finished_listener is not None:
+            self._finished_listener.stop(5.0)
+        if self._node is not None:
+            ingress = self._node.ingress_store()
+            if ingress is not self.store:
+                ingress.close()
+
+
+class StandaloneRuntime(Runtime):
+    """The Standalone (or Edge) profile on a SQLite file. :meth:`start` takes the database's
+    exclusive lock and runs the in-process runner (startup recovery, the pool, the cadence) on
+    a thread of its own; it needs the task registry."""
+
+    def __init__(
+        self,
+        database_path: str,
+        tasks: TaskRegistry | None,
+        settings: dict[str, Any],
+        *,
+        edge: bool = False,
+    ) -> None:
+        self.profile = "edge" if edge else "standalone"
+        self._path = database_path
+        self._settings = dict(settings)
+        store = open_sqlite_store(
+            database_path,
+            busy_timeout_s=float(self._settings.get("busy_timeout_s", 30.0)),
+            synchronous=str(self._settings.get("synchronous", "FULL")),
+        )
+        super().__init__(Producer(store), tasks)
+        self._runner: Any = None
+        self._thread: threading.Thread | None = None
+
+    def _start(self) -> None:
+        if not self._tasks:
+            raise RuntimeError("starting the runtime needs its task registry (tasks=...)")
+        if self.profile == "edge":
+            from bootstrap import edge as root
+        else:
+            from bootstrap import standalone as root  # type: ignore[no-redef]
+        container = root.build(store=self.store, database_path=self._path, **self._settings)
+        runner = container.runner(tasks=self._tasks, emit=log.info)
+        runner.boot()
+        thread = threading.Thread(target=runner.serve, name="ql3-standalone", daemon=True)
+        thread.start()
+        self._runner, self._thread = runner, thread
+
+    def _stop(self, timeout: float) -> None:
+        runner, thread = self._runner, self._thread
+        self._runner, self._thread = None, None
+        if runner is None or thread is None:
+            return
+        runner.request_stop()
+        thread.join(timeout)
+        if thread.is_alive():  # asked twice: running tasks are abandoned at once
+            runner.request_stop()
+            thread.join(timeout)
