@@ -79,7 +79,7 @@ def failure_details(failure: StepFailure) -> dict[str, JsonValue]:
     }
 
 
-# A node records its cycle at least every 10 s while it cycles (``NodeHeartbeat``).
+# A node records its cycle at least every 30 s while it cycles (``NodeHeartbeat``).
 NODE_SILENT_AFTER_MS = 60_000
 
 
