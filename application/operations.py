@@ -91,6 +91,7 @@ def node_dict(node: NodeCycle) -> dict[str, JsonValue]:
         "cycles": node.cycles,
         "started_at_ms": node.started_at_ms,
         "last_cycle_at_ms": node.last_cycle_at_ms,
+        "anonymous_workers": node.anonymous_workers,
     }
 
 

@@ -422,6 +422,9 @@ class NodeCycle:
     cycles: int
     started_at_ms: int | None = None
     last_cycle_at_ms: int | None = None
+    # The node lets workers register without a credential off a loopback address
+    # (``--allow-anonymous-workers``, ADR 0008): ``ql3 status`` warns about it.
+    anonymous_workers: bool = False
 
 
 class NodeRegistry(Protocol):

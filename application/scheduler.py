@@ -230,9 +230,17 @@ class NodeHeartbeat:
     commits twice a minute for it (ADRs 0010, 0013). A failed
     write is tried again after the next cycle."""
 
-    def __init__(self, registry: NodeRegistry, node_id: str, every_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        registry: NodeRegistry,
+        node_id: str,
+        every_s: float = 30.0,
+        *,
+        anonymous_workers: bool = False,
+    ) -> None:
         self._registry = registry
         self._node_id = node_id
+        self._anonymous_workers = anonymous_workers
         self._every_s = every_s
         self._cycles = 0
         self._last: tuple[bool, str | None] | None = None
@@ -254,6 +262,7 @@ class NodeHeartbeat:
                 ok=summary.ok,
                 aborted_at=summary.aborted_at,
                 cycles=self._cycles,
+                anonymous_workers=self._anonymous_workers,
             )
         )
         self._last, self._written_at = outcome, now

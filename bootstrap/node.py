@@ -67,6 +67,7 @@ NODE_DEFAULTS: dict[str, object] = {
     "max_body_bytes": DEFAULT_MAX_BODY_BYTES,
     "registration_token": None,
     "require_credentials": False,
+    "anonymous_workers": False,  # off loopback with --allow-anonymous-workers (ADR 0008)
     # Secret providers (ADR 0008): callables read at each new connection, for secrets in files.
     "database_url_source": None,
     "ingress_url_source": None,
@@ -194,7 +195,12 @@ class NodeContainer(containers.DeclarativeContainer):
             end_of_cycle,
             claim_signal,
             dispatch_listener,
-            providers.Singleton(NodeHeartbeat, cluster.store, config.node_id),
+            providers.Singleton(
+                NodeHeartbeat,
+                cluster.store,
+                config.node_id,
+                anonymous_workers=config.anonymous_workers,
+            ),
         ),
     )
     ingress_store = providers.Singleton(

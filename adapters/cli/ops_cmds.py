@@ -168,6 +168,7 @@ def status_command(database_url: str | None, as_json: bool) -> None:
     lines += [
         f"  {n.node_id:<32} last cycle {_age(now, n.last_cycle_at_ms)} ago,"
         f" {'ok' if n.ok else 'aborted at ' + (n.aborted_at or '?')}, {n.cycles} cycle(s)"
+        + (" WARNING: anonymous workers allowed" if n.anonymous_workers else "")
         for n in view.nodes
     ]
     lines += [

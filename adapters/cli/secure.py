@@ -125,6 +125,7 @@ def node_settings(
         "ingress_database_url": ingress_url,
         "registration_token": token,
         "require_credentials": require,
+        "anonymous_workers": not (require or token or is_loopback(host)),
         # Secrets given in files are read again at each new connection.
         "database_url_source": _if_file(url_source),
         "ingress_url_source": _if_file(ingress_source if ingress_url else url_source),

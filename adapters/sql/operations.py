@@ -130,6 +130,7 @@ def _node_values(cycle: NodeCycle, now: ColumnElement[int] | int) -> dict[str, o
         "last_ok": cycle.ok,
         "aborted_at": cycle.aborted_at,
         "cycles": cycle.cycles,
+        "anonymous_workers": cycle.anonymous_workers,
     }
 
 
@@ -155,6 +156,7 @@ def node_from_row(row: rows.Row) -> NodeCycle:
         cycles=int(row["cycles"]),
         started_at_ms=int(row["started_at"]),
         last_cycle_at_ms=int(row["last_cycle_at"]),
+        anonymous_workers=bool(row["anonymous_workers"]),
     )
 
 

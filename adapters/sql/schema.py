@@ -39,6 +39,7 @@ from sqlalchemy import (
     Table,
     Text,
     UniqueConstraint,
+    false,
     text,
     true,
 )
@@ -483,6 +484,7 @@ scheduler_nodes = Table(
     Column("last_ok", Boolean(), nullable=False),
     Column("aborted_at", Text(), nullable=True),
     Column("cycles", BigInteger(), nullable=False),
+    Column("anonymous_workers", Boolean(), nullable=False, server_default=false()),
     PrimaryKeyConstraint("id", name="pk_scheduler_nodes"),
     CheckConstraint("cycles >= 0", name="cycles"),
 )

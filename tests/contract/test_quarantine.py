@@ -207,3 +207,11 @@ def test_a_node_heartbeat_writes_on_change_and_now_and_then(store: Any) -> None:
     assert [(c.ok, c.cycles) for c in written] == [(True, 1), (False, 4), (True, 6)]
     (node,) = store.operations_view(HARD_PAGE_CAP).nodes
     assert (node.node_id, node.cycles, node.ok) == ("n1", 6, True)
+    assert not node.anonymous_workers
+
+
+def test_a_node_that_allows_anonymous_workers_says_so(store: Any) -> None:
+    NodeHeartbeat(store, "open-node", anonymous_workers=True)(CycleSummary(steps=()))
+    NodeHeartbeat(store, "closed-node")(CycleSummary(steps=()))
+    nodes = {n.node_id: n.anonymous_workers for n in store.operations_view(HARD_PAGE_CAP).nodes}
+    assert nodes == {"open-node": True, "closed-node": False}

@@ -12,7 +12,7 @@ from sqlalchemy import event, text
 from sqlalchemy.engine import make_url
 
 from adapters.cli.main import main
-from adapters.cli.secure import warn_if_anonymous
+from adapters.cli.secure import node_settings, warn_if_anonymous
 from adapters.postgres.engine import pooled_engine, refresh_on_connect
 from adapters.secrets import FileSecret, SecretUnavailable, from_environment, secret_source
 
@@ -96,6 +96,31 @@ def test_serve_off_loopback_without_authentication_exits_2_in_one_line(
     assert "--require-credentials" in err and "--allow-anonymous-workers" in err
     assert main(["serve", "--host", "::", "--require-credentials",
                  "--allow-anonymous-workers"]) == 2
+
+
+def test_only_a_node_off_loopback_without_authentication_counts_as_anonymous(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("QL3_REGISTRATION_TOKEN", raising=False)
+
+    def anonymous(host: str, *, require: bool = False, allow: bool = False) -> bool:
+        options = {
+            "require_credentials": require,
+            "allow_anonymous_workers": allow,
+            "tls_cert": None,
+            "tls_key": None,
+            "database_url_file": None,
+            "ingress_database_url_file": None,
+            "ingress_password_file": None,
+        }
+        return bool(node_settings(host, "sqlite:///x", None, options)["anonymous_workers"])
+
+    assert anonymous("0.0.0.0", allow=True)  # shown in `ql3 status` (ADR 0008)
+    assert not anonymous("127.0.0.1")
+    assert not anonymous("127.0.0.1", allow=True)
+    assert not anonymous("0.0.0.0", require=True)
+    monkeypatch.setenv("QL3_REGISTRATION_TOKEN", "t")
+    assert not anonymous("0.0.0.0")
 
 
 def test_anonymous_workers_off_loopback_are_warned(caplog: pytest.LogCaptureFixture) -> None:

@@ -6,14 +6,15 @@ runtime recovery or lost-retry step is stuck on.
 - ``dispatch_gate.failed_*`` (nullable): the step, Run, Attempt, error, first failure and number
   of failed cycles in a row of the candidate the closed gate is waiting on.
 - ``ck_run_events_type`` takes ``run_quarantined`` and ``run_unquarantined``.
-- ``scheduler_nodes``: each node's last cycle, its outcome and how many it ran.
+- ``scheduler_nodes``: each node's last cycle, its outcome, how many it ran, and whether it lets
+  workers register anonymously.
 
 Nothing here changes what the ingress role may do: it neither reads nor writes these columns.
 
 Written out by hand and frozen: later changes to the declared metadata get their own revision.
 
 Revision ID: 0007_quarantine
-Revises: 0005_ingress_claim
+Revises: 0006_worker_credentials
 Create Date: 2026-12-01
 """
 
@@ -71,6 +72,9 @@ def upgrade() -> None:
         sa.Column("last_ok", sa.Boolean(), nullable=False),
         sa.Column("aborted_at", sa.Text(), nullable=True),
         sa.Column("cycles", sa.BigInteger(), nullable=False),
+        sa.Column(
+            "anonymous_workers", sa.Boolean(), server_default=sa.false(), nullable=False
+        ),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_scheduler_nodes")),
         sa.CheckConstraint("cycles >= 0", name=op.f("ck_scheduler_nodes_cycles")),
     )

@@ -8,7 +8,7 @@ waiting caller reads its Run again when woken. The ``WHEN`` clause is evaluated 
 trigger is queued: an update that finishes nothing costs no function call.
 
 Revision ID: 0008_run_finished
-Revises: 0005_ingress_claim
+Revises: 0007_quarantine
 """
 
 from __future__ import annotations
