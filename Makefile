@@ -15,6 +15,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 test: venv
+	command -v spin >/dev/null || (apt-get update && apt-get install -y spin)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports

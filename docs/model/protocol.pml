@@ -8,6 +8,8 @@
  * compare-and-set). Time is abstract: a lease expires at any moment (a clock process), and a
  * retry is due as soon as it is scheduled. Every fault has a budget, so every execution is
  * finite and the search is exhaustive.
+ *
+ * Run it: spin -a protocol.pml && gcc -O1 -DMEMLIM=1024 -o pan pan.c && ./pan -a -m100000
  */
 
 /* ---------------------------------------------------------------- bounds */
@@ -16,29 +18,15 @@
 #define UNSAFE_RUN 0
 #define MAXA 2          /* attempts per run: max_attempts of run 1 */
 #define NW 2            /* workers, one execution slot each */
-#ifndef NP
-#define NP 2            /* scheduler replicas */
-#endif
 #define MAXG 5          /* lease generations per run the arrays hold (asserted, not assumed) */
 
-#ifndef CRASHES
-#define CRASHES 1       /* worker crashes, at any step */
-#endif
-#ifndef LOSSES
-#define LOSSES 1        /* claim answers lost after their transaction committed */
-#endif
-#ifndef HANDBACKS
-#define HANDBACKS 1     /* unstarted attempts handed back by their worker */
-#endif
-#ifndef STEP_FAILURES
-#define STEP_FAILURES 1 /* failed recovery or lost-retry steps */
-#endif
-#ifndef CANCELS
-#define CANCELS 1       /* operator cancellations */
-#endif
-#ifndef ATTESTS
-#define ATTESTS 1       /* operator attestations that an attempt executes nowhere */
-#endif
+/* The faults. Each search covers one configuration at a time, chosen by init: two scheduler
+   replicas whose recovery or lost-retry step fails once, or one replica with one of: a worker
+   crash (at any step), a claim answer lost after its transaction committed, an unstarted
+   attempt handed back by its worker, an operator's cancellation, an operator's attestation
+   that an attempt executes nowhere. */
+byte replicas = 1;
+byte crashes, losses, handbacks, step_failures, cancels, attests;
 
 /* -DSTRICT_GATE=1: also assert that the gate, once closed, is opened only by a cycle whose
    recovery and lost-retry steps both ran after that close (ADR 0011: this does not hold) */
@@ -115,12 +103,6 @@ byte in_slot[NR * MAXA];       /* worker slots holding the attempt, begun or abo
 byte authority[NR];            /* changes of the run's lease authority */
 byte closes;                   /* times the gate was closed */
 
-byte crashes = CRASHES;
-byte losses = LOSSES;
-byte handbacks = HANDBACKS;
-byte step_failures = STEP_FAILURES;
-byte cancels = CANCELS;
-byte attests = ATTESTS;
 
 #define CUR(r) AI(r, natt[r] - 1)
 #define TERMINAL_RUN(s) (s == R_SUCCEEDED || s == R_FAILED || s == R_CANCELLED)
@@ -493,11 +475,17 @@ init {
     atomic {
         rstat[0] = R_CREATED;                 /* admitted without an Attempt */
         rstat[1] = R_QUEUED; natt[1] = 1; att[AI(1, 0)] = A_CLAIMED;
+        if
+        :: replicas = 2; step_failures = 1
+        :: crashes = 1
+        :: losses = 1
+        :: handbacks = 1
+        :: cancels = 1
+        :: attests = 1
+        fi;
         run Worker(0); run Worker(1);
         run Replica(0);
-#if NP > 1
-        run Replica(1);
-#endif
+        if :: replicas == 2 -> run Replica(1) :: else -> skip fi;
         run Clock(); run Operator()
     }
 }
