@@ -9,7 +9,7 @@
  * retry is due as soon as it is scheduled. Every fault has a budget, so every execution is
  * finite and the search is exhaustive.
  *
- * Run it: spin -a protocol.pml && gcc -O1 -DMEMLIM=1024 -o pan pan.c && ./pan -a -m100000
+ * Run it: spin -a protocol.pml && gcc -O1 -DCOLLAPSE -DMEMLIM=1024 -o pan pan.c && ./pan -a -m100000
  */
 
 /* ---------------------------------------------------------------- bounds */
@@ -92,7 +92,6 @@ byte lease[NR * MAXG];
 byte lver[NR * MAXG];
 byte lholder[NR * MAXG];
 bit lexpired[NR * MAXG];
-bit lcompleted[NR * MAXG];     /* released for `completed` */
 byte sess[2 * NW + 1];
 bit gate = 1;                  /* the dispatch gate */
 
@@ -102,7 +101,6 @@ byte executing[NR * MAXA];     /* workers executing the attempt now */
 byte in_slot[NR * MAXA];       /* worker slots holding the attempt, begun or about to begin */
 byte authority[NR];            /* changes of the run's lease authority */
 byte closes;                   /* times the gate was closed */
-
 
 #define CUR(r) AI(r, natt[r] - 1)
 #define TERMINAL_RUN(s) (s == R_SUCCEEDED || s == R_FAILED || s == R_CANCELLED)
@@ -168,7 +166,6 @@ inline complete(r, i, g, v, s, seen, ok) {
     :: FENCE_OK(r, i, g, v, s) && att[i] == A_RUNNING && rstat[r] == R_RUNNING ->
         assert(seen == authority[r]);   /* a fence the store accepts is not stale */
         release_lease(r, g);
-        lcompleted[LI(r, g)] = 1;
         if
         :: ok -> att_to(i, A_SUCCEEDED); run_to(r, R_SUCCEEDED)
         :: else -> att_to(i, A_FAILED); run_to(r, R_FAILED)
