@@ -14,9 +14,15 @@ $(VENV)/.installed: pyproject.toml
 	$(VENV)/bin/python -m pip install --quiet -e '.[dev,bench]'
 	touch $@
 
+# What the tests run besides Python, as COMMAND:DEBIAN_PACKAGE: openssl (TLS certificates),
+# promtool (alert rules), spin (the protocol model); installed only when missing.
+SYSTEM_TOOLS = openssl:openssl promtool:prometheus spin:spin
+
 test: venv
-	command -v openssl >/dev/null || (apt-get update && apt-get install -y openssl)
-	command -v promtool >/dev/null || (apt-get update && apt-get install -y prometheus)
+	@missing=""; for tool in $(SYSTEM_TOOLS); do \
+		command -v $${tool%%:*} >/dev/null || missing="$$missing $${tool#*:}"; \
+	done; \
+	if [ -n "$$missing" ]; then apt-get update && apt-get install -y $$missing; fi
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports

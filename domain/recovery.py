@@ -71,9 +71,13 @@ def find_not_running_evidence(
     reports: Iterable[StopReport],
 ) -> NotRunningEvidence | None:
     """The first trusted not-running fact about ``attempt``: a recorded stop report (the worker's
-    abandon or an operator's attestation), else a closed or replaced holder session."""
+    abandon or an operator's attestation), else a closed or replaced holder session.
+
+    A stop report speaks of the start before it: one recorded before the Attempt's current
+    start (it was handed back, pristine again under the same id, then claimed anew) is no
+    evidence about this start (ADR 0011)."""
     for report in sorted(reports, key=lambda r: r.reported_at_ms):
-        if report.attempt_id == attempt.id:
+        if report.attempt_id == attempt.id and _since_start(report, attempt):
             return NotRunningEvidence(
                 attempt_id=attempt.id,
                 kind=report.kind,
@@ -94,6 +98,10 @@ def find_not_running_evidence(
             detail=f"session {session.id} of worker {session.worker_id} is {session.status.value}",
         )
     return None
+
+
+def _since_start(report: StopReport, attempt: Attempt) -> bool:
+    return attempt.started_at_ms is None or report.reported_at_ms >= attempt.started_at_ms
 
 
 def is_resolvable(attempt: Attempt, evidence: NotRunningEvidence | None) -> bool:

@@ -365,7 +365,11 @@ def recovery_source(now: ColumnElement[int] | int, spelling: Spelling) -> Recove
     a = run_attempts.c
     r = runs.c
     l = run_dispatch_leases.c  # noqa: E741
-    stop_reported = exists().where(attempt_stop_reports.c.attempt_id == a.id)
+    # A stop report speaks of the start it follows (domain.recovery.find_not_running_evidence).
+    stop_reported = exists().where(
+        attempt_stop_reports.c.attempt_id == a.id,
+        or_(a.started_at.is_(None), attempt_stop_reports.c.reported_at >= a.started_at),
+    )
     session_gone = exists().where(
         worker_sessions.c.id == a.session_id,
         spelling.one_of(worker_sessions.c.status, GONE_SESSION_STATUSES),

@@ -154,18 +154,36 @@ def test_started_attempt_with_missing_lease_still_needs_evidence() -> None:
 def test_stop_reports_come_first_earliest_first() -> None:
     _, attempt, _, _ = running()
     reports = [
-        StopReport(attempt_id=attempt.id, kind=EvidenceKind.OPERATOR_ATTESTED, reported_at_ms=9,
-                   detail="op"),
-        StopReport(attempt_id=attempt.id, kind=EvidenceKind.WORKER_ABANDONED, reported_at_ms=4,
-                   detail="w"),
+        StopReport(attempt_id=attempt.id, kind=EvidenceKind.OPERATOR_ATTESTED,
+                   reported_at_ms=NOW + 9, detail="op"),
+        StopReport(attempt_id=attempt.id, kind=EvidenceKind.WORKER_ABANDONED,
+                   reported_at_ms=NOW + 4, detail="w"),
         StopReport(attempt_id="other", kind=EvidenceKind.OPERATOR_ATTESTED, reported_at_ms=1),
     ]
     closed = session(status=SessionStatus.CLOSED, closed_at_ms=2)
     evidence = find_not_running_evidence(attempt, closed, reports)
     assert evidence is not None
     assert (evidence.kind, evidence.observed_at_ms, evidence.detail) == (
-        EvidenceKind.WORKER_ABANDONED, 4, "w"
+        EvidenceKind.WORKER_ABANDONED, NOW + 4, "w"
     )
+
+
+def test_a_stop_report_from_before_the_current_start_is_no_evidence() -> None:
+    """Attested while pristine (or before a hand-back), then claimed and started again under
+    the same id: the old report says nothing about what runs now."""
+    _, pristine = queued()
+    attested = StopReport(attempt_id=pristine.id, kind=EvidenceKind.OPERATOR_ATTESTED,
+                          reported_at_ms=NOW - 1, detail="before the claim")
+    run, started, lease, _ = running()
+    assert started.id == pristine.id and started.started_at_ms == NOW
+    assert find_not_running_evidence(started, session(), [attested]) is None
+    resolution = resolve_recovery(
+        run=run, attempt=started, lease=lease, evidence=None, now_ms=EXPIRED
+    )
+    assert resolution.hold is RecoveryHold.AWAITING_EVIDENCE
+    again = evolve(attested, reported_at_ms=NOW)
+    evidence = find_not_running_evidence(started, session(), [attested, again])
+    assert evidence is not None and evidence.observed_at_ms == NOW
 
 
 @pytest.mark.parametrize(

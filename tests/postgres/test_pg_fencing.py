@@ -565,6 +565,25 @@ def test_a_renewal_with_a_stale_fence_or_after_expiry_is_a_conflict(
 # --- evidence ----------------------------------------------------------------------------------
 
 
+def test_a_stop_report_from_before_the_start_is_no_evidence(store: PostgresStore) -> None:
+    """Reported before the Attempt's current start (it was pristine, or handed back since):
+    neither the page's order nor recovery counts it (ADR 0011)."""
+    session = open_session(store, "s1", "w1")
+    dispatched(store, "r1", "a1", session, ttl_ms=1_000)
+    store.testing_advance_clock(5_000)
+    with store.unit_of_work() as uow:
+        started = uow.runs.get_attempt("a1")
+        assert started is not None and started.started_at_ms is not None
+        uow.evidence.record(
+            StopReport(attempt_id="a1", kind=EvidenceKind.OPERATOR_ATTESTED,
+                       reported_at_ms=started.started_at_ms - 1)
+        )
+        uow.commit()
+    (candidate,) = store.recovery_candidates(16).items
+    assert not candidate.resolvable
+    assert not recover(store, "a1")
+
+
 def test_stop_reports_make_a_started_candidate_resolvable(store: PostgresStore) -> None:
     session = open_session(store, "s1", "w1")
     dispatched(store, "r1", "a1", session, ttl_ms=1_000)
@@ -572,8 +591,11 @@ def test_stop_reports_make_a_started_candidate_resolvable(store: PostgresStore) 
     (candidate,) = store.recovery_candidates(16).items
     assert candidate.attempt_status is AttemptStatus.RUNNING and not candidate.resolvable
     assert not recover(store, "a1")  # fail closed without evidence
-    report = StopReport(attempt_id="a1", kind=EvidenceKind.OPERATOR_ATTESTED, reported_at_ms=5)
     with store.unit_of_work() as uow:
+        started = uow.runs.get_attempt("a1")
+        assert started is not None and started.started_at_ms is not None
+        report = StopReport(attempt_id="a1", kind=EvidenceKind.OPERATOR_ATTESTED,
+                            reported_at_ms=started.started_at_ms + 5_000)
         uow.evidence.record(report)
         uow.commit()
     with store.unit_of_work() as uow:
