@@ -150,9 +150,11 @@ class DispatchListener:
                     **KEEPALIVES,
                 ) as conn:
                     conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self._channel)))
+                    # What was notified while no connection listened: woken before the
+                    # listener counts as connected, so that whoever waits for it sees both.
+                    self._wake()
                     self._set_connected(conn.info.backend_pid)
                     backoff = self._min_backoff_s
-                    self._wake()  # what was notified while no connection listened
                     self._listen(conn)
             except Exception as error:  # the thread never dies: the node would lose its wake-ups
                 if self._stopping.is_set():
