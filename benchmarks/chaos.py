@@ -54,6 +54,7 @@ in every phase, and ``recovery_s`` no worse than the best peer's.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -102,7 +103,7 @@ PHASES = (
     "pool-exhaustion",
 )
 SERVER_SETTINGS = {"max_connections": "100", "autovacuum_naptime": "10s"}
-SLOTS = 4
+SLOTS = 8  # per worker: one worker alone still has room for the offered load
 WINDOW_S = 2.0  # the completion rate's trailing window
 STEP_S = 0.25
 RECOVERED_FRACTION = 0.9
@@ -114,24 +115,24 @@ FREE_SLOTS = 3  # what pool-exhaustion leaves of the server's connections
 ROUND = 3
 
 
-def phase_list(text: str) -> tuple[str, ...]:
-    names = tuple(name.strip() for name in text.split(",") if name.strip())
-    unknown = [name for name in names if name not in PHASES]
+def _names(text: str, choices: Sequence[str], what: str) -> tuple[str, ...]:
+    """Comma-separated names of ``choices``, returned in the order of ``choices``."""
+    names = {name.strip() for name in text.split(",") if name.strip()}
+    unknown = sorted(names - set(choices))
     if unknown or not names:
         raise argparse.ArgumentTypeError(
-            f"unknown phase(s) {', '.join(unknown) or '(none)'}; choose from {', '.join(PHASES)}"
+            f"unknown {what} {', '.join(unknown) or '(none)'}; choose from {', '.join(choices)}"
         )
-    return tuple(name for name in PHASES if name in names or name == "clean")
+    return tuple(name for name in choices if name in names)
+
+
+def phase_list(text: str) -> tuple[str, ...]:
+    """The phases named, in their fixed order; ``clean`` (the baseline) always first."""
+    return ("clean", *(name for name in _names(text, PHASES, "phase") if name != "clean"))
 
 
 def system_list(text: str) -> tuple[str, ...]:
-    names = tuple(name.strip() for name in text.split(",") if name.strip())
-    unknown = [name for name in names if name not in SYSTEMS]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(
-            f"unknown system(s) {', '.join(unknown) or '(none)'}; choose from {', '.join(SYSTEMS)}"
-        )
-    return tuple(name for name in SYSTEMS if name in names)
+    return _names(text, tuple(SYSTEMS), "system")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -150,41 +151,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="S,S",
         help=f"systems to run, of {','.join(SYSTEMS)}",
     )
-    parser.add_argument(
-        "--phase-seconds",
-        type=positive_float(3_600),
-        default=20.0,
-        metavar="S",
-        help="each phase's fault; as long again follows without it",
-    )
-    parser.add_argument(
-        "--rate",
-        type=positive_float(1_000),
-        default=20.0,
-        metavar="PER_S",
-        help="jobs offered per second, for the whole run",
-    )
-    parser.add_argument(
-        "--task-seconds",
-        type=positive_float(60),
-        default=0.2,
-        metavar="S",
-        help="what each job's task sleeps",
-    )
-    parser.add_argument(
-        "--lease-ttl",
-        type=positive_float(600),
-        default=4.0,
-        metavar="S",
-        help="QL3's lease TTL, and the peers' heartbeat staleness threshold",
-    )
-    parser.add_argument(
-        "--cadence",
-        type=positive_float(60),
-        default=0.5,
-        metavar="S",
-        help="QL3's scheduler cadence",
-    )
+    for flag, high, default, metavar, meaning in (
+        (
+            "--phase-seconds",
+            3_600,
+            20.0,
+            "S",
+            "each phase's fault; as long again follows without it",
+        ),
+        ("--rate", 1_000, 20.0, "PER_S", "jobs offered per second, for the whole run"),
+        ("--task-seconds", 60, 0.2, "S", "what each job's task sleeps"),
+        ("--lease-ttl", 600, 4.0, "S", "QL3's lease TTL, and the peers' heartbeat staleness limit"),
+        ("--cadence", 60, 0.5, "S", "QL3's scheduler cadence"),
+    ):
+        parser.add_argument(
+            flag, type=positive_float(high), default=default, metavar=metavar, help=meaning
+        )
 
 
 # --- what the run records ----------------------------------------------------------------------
@@ -278,8 +260,8 @@ class Producer(threading.Thread):
 # --- the faults --------------------------------------------------------------------------------
 
 
-class Run:
-    """One system's run: its processes, producer, supervisor and the faults applied to it."""
+class Faults:
+    """The faults applied to one system, and the supervisor that keeps its processes up."""
 
     def __init__(self, system: System, server: PrivateServer, database: str, seconds: float):
         self.system = system
@@ -288,11 +270,10 @@ class Run:
         self.seconds = seconds
         self.stopping = threading.Event()
         self.supervisor = threading.Thread(target=self._supervise, daemon=True)
-        self.pending_restarts = 0
 
     def _supervise(self) -> None:
         while not self.stopping.wait(SUPERVISE_S):
-            self.pending_restarts += self.system.supervise()
+            self.system.supervise()
 
     def hold(self, seconds: float) -> None:
         time.sleep(max(0.0, seconds))
@@ -355,8 +336,9 @@ class Run:
         stopped = watch.seconds()
         self.hold(self.seconds / 2 - stopped)
         self.server.start()
-        self.hold(self.seconds - watch.seconds())
-        return {"down_s": round(watch.seconds() - stopped, ROUND)}
+        started = watch.seconds()
+        self.hold(self.seconds - started)
+        return {"down_s": round(started - stopped, ROUND)}
 
     def idle_in_tx(self) -> dict[str, Any]:
         with self.session(autocommit=False) as conn:
@@ -480,15 +462,7 @@ class PhaseFigures:
     dead_tuples: int | None
 
     def as_json(self) -> dict[str, Any]:
-        return {
-            "system": self.system,
-            "phase": self.phase,
-            "lost": self.lost,
-            "duplicates": self.duplicates,
-            "recovery_s": self.recovery_s,
-            "pickup_p99_ms": self.pickup_p99_ms,
-            "dead_tuples": self.dead_tuples,
-        }
+        return dataclasses.asdict(self)
 
 
 def figures(
@@ -561,12 +535,12 @@ def figures(
 # --- one system --------------------------------------------------------------------------------
 
 
-def _wait_for_completions(ledger: str, count: int, timeout_s: float, run: Run) -> None:
+def _wait_for_completions(ledger: str, count: int, timeout_s: float, system: System) -> None:
     deadline = time.monotonic() + timeout_s
     while len(Ledger.read(ledger).ends) < count:
         if time.monotonic() > deadline:
             raise BenchmarkError(
-                f"{run.system.name}: fewer than {count} jobs finished in the {timeout_s:g}s warm-up"
+                f"{system.name}: fewer than {count} jobs finished in the {timeout_s:g}s warm-up"
             )
         time.sleep(0.25)
 
@@ -593,23 +567,23 @@ def run_system(
         if isinstance(system, Ql3):
             upgrade(url)
         system.start()
-        run = Run(system, server, database, args.phase_seconds)
+        faults = Faults(system, server, database, args.phase_seconds)
         producer = Producer(system, args.rate)
         producer.start()
-        run.supervisor.start()
+        faults.supervisor.start()
         try:
-            _wait_for_completions(ledger, max(4, round(args.rate)), WARM_UP_TIMEOUT_S, run)
-            run.hold(WINDOW_S)
+            _wait_for_completions(ledger, max(4, round(args.rate)), WARM_UP_TIMEOUT_S, system)
+            faults.hold(WINDOW_S)
             windows: list[PhaseWindow] = []
             for phase in args.phases:
                 say(f"chaos: {name}: {phase} ...")
                 window = PhaseWindow(name=phase, start=time.time())
                 restarts_before = system.restarts()
-                window.notes = run.fault(phase)()
+                window.notes = faults.fault(phase)()
                 window.fault_end = time.time()
-                run.hold(args.phase_seconds)
+                faults.hold(args.phase_seconds)
                 window.end = time.time()
-                window.dead_tuples = run.dead_tuples()
+                window.dead_tuples = faults.dead_tuples()
                 window.restarts = system.restarts() - restarts_before
                 windows.append(window)
                 if producer.error is not None:
@@ -618,9 +592,9 @@ def run_system(
             keys = {job.key for job in producer.jobs if job.admitted}
             drain_s = drain(system, keys, ledger, 4 * args.lease_ttl + 30)
         finally:
-            run.stopping.set()
+            faults.stopping.set()
             producer.stop()
-            run.supervisor.join(timeout=30)
+            faults.supervisor.join(timeout=30)
         read = Ledger.read(ledger)
         verdicts = system.verdicts(keys, set(read.ends))
         rows, details = figures(

@@ -29,9 +29,10 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from functools import partial
+from typing import Any, ClassVar
 
 from benchmarks.common import BenchmarkError, connect
 from benchmarks.private_server import free_port
@@ -73,18 +74,20 @@ class Member:
         return self.process is None or not self.process.running()
 
 
-@dataclass
 class System:
     """What every system shares: its members, their supervision and the ledger's payload."""
 
-    name: str
-    database_url: str
-    processes: Processes
-    settings: ChaosSettings
-    hot_tables: tuple[str, ...] = ()
-    members: list[Member] = field(default_factory=list)
-    workers: list[Member] = field(default_factory=list)
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    name: ClassVar[str]
+    hot_tables: ClassVar[tuple[str, ...]]  # the hottest first
+
+    def __init__(self, database_url: str, processes: Processes, settings: ChaosSettings) -> None:
+        self.database_url = database_url
+        self.dsn = asyncpg_dsn(database_url)  # libpq's form, for asyncpg and Procrastinate
+        self.processes = processes
+        self.settings = settings
+        self.members: list[Member] = []
+        self.workers: list[Member] = []
+        self.lock = threading.Lock()
 
     def payload(self, key: str) -> dict[str, Any]:
         return {"ledger": self.settings.ledger, "key": key, "seconds": self.settings.task_seconds}
@@ -116,6 +119,21 @@ class System:
             self.workers.append(member)
         return member
 
+    def start_consumers(self) -> None:
+        """Two ``python -m benchmarks.chaos_systems NAME`` consumer processes (the peers)."""
+        settings = {
+            "dsn": self.dsn,
+            "slots": self.settings.slots,
+            "ttl_s": self.settings.lease_ttl_s,
+        }
+        env = {CONSUMER_ENV: json.dumps(settings)}
+        for index in range(2):
+            name = f"{self.name}-{index}"
+            spawn = partial(
+                self.processes.start, name, [self.name], module="benchmarks.chaos_systems", env=env
+            )
+            self.add(name, spawn, worker=True)
+
     def kill_worker(self, index: int) -> None:
         with self.lock:
             member = self.workers[index]
@@ -130,9 +148,8 @@ class System:
             if member.down():
                 member.process = member.spawn()
 
-    def supervise(self) -> int:
-        """Start again every wanted member that exited; returns how many it started."""
-        started = 0
+    def supervise(self) -> None:
+        """Start again every wanted member that exited."""
         with self.lock:
             for member in self.members:
                 if member.wanted and member.down():
@@ -141,8 +158,6 @@ class System:
                     except BenchmarkError:
                         member.process = None  # e.g. the server is down: next time
                     member.restarts += 1
-                    started += 1
-        return started
 
     def restarts(self) -> int:
         return sum(member.restarts for member in self.members)
@@ -152,14 +167,11 @@ class System:
 
 
 class Ql3(System):
+    name = "ql3"
+    hot_tables = ("runs", "run_attempts", "run_dispatch_leases", "run_events")
+
     def __init__(self, database_url: str, processes: Processes, settings: ChaosSettings) -> None:
-        super().__init__(
-            "ql3",
-            database_url,
-            processes,
-            settings,
-            hot_tables=("runs", "run_attempts", "run_dispatch_leases", "run_events"),
-        )
+        super().__init__(database_url, processes, settings)
         self.node_flags = [
             "--lease-ttl",
             f"{settings.lease_ttl_s:g}",
@@ -175,16 +187,11 @@ class Ql3(System):
         for index in range(2):
             port = free_port()
             urls.append(f"http://127.0.0.1:{port}")
-            self.add(f"node-{index}", lambda port=port: self._node(port))
+            self.add(f"node-{index}", partial(self._node, port))
         for index, url in enumerate(urls):
             worker_id = f"chaos-worker-{index}"
-            self.add(
-                worker_id,
-                lambda url=url, worker_id=worker_id: self.processes.start_worker(
-                    url, worker_id, self.worker_flags
-                ),
-                worker=True,
-            )
+            spawn = partial(self.processes.start_worker, url, worker_id, self.worker_flags)
+            self.add(worker_id, spawn, worker=True)
 
     def _node(self, port: int) -> Process:
         process, _ = self.processes.start_node(self.node_flags, port)
@@ -269,31 +276,12 @@ def _consumer_settings() -> dict[str, Any]:
 
 
 class PgQueuerSystem(System):
-    def __init__(self, database_url: str, processes: Processes, settings: ChaosSettings) -> None:
-        super().__init__(
-            "pgqueuer",
-            database_url,
-            processes,
-            settings,
-            hot_tables=("pgqueuer", "pgqueuer_log", "pgqueuer_statistics"),
-        )
-        self.dsn = asyncpg_dsn(database_url)
+    name = "pgqueuer"
+    hot_tables = ("pgqueuer", "pgqueuer_log", "pgqueuer_statistics")
 
     def start(self) -> None:
         asyncio.run(install_pgqueuer(self.dsn))
-        env = {
-            CONSUMER_ENV: json.dumps(
-                {"dsn": self.dsn, "slots": self.settings.slots, "ttl_s": self.settings.lease_ttl_s}
-            )
-        }
-        for index in range(2):
-            self.add(
-                f"pgqueuer-{index}",
-                lambda index=index: self.processes.start(
-                    f"pgqueuer-{index}", ["pgqueuer"], module="benchmarks.chaos_systems", env=env
-                ),
-                worker=True,
-            )
+        self.start_consumers()
 
     def commands(self) -> str:
         return (
@@ -377,15 +365,8 @@ def procrastinate_app(conninfo: str, **pool: Any) -> Any:
 
 
 class ProcrastinateSystem(System):
-    def __init__(self, database_url: str, processes: Processes, settings: ChaosSettings) -> None:
-        super().__init__(
-            "procrastinate",
-            database_url,
-            processes,
-            settings,
-            hot_tables=("procrastinate_jobs", "procrastinate_events", "procrastinate_workers"),
-        )
-        self.dsn = asyncpg_dsn(database_url)
+    name = "procrastinate"
+    hot_tables = ("procrastinate_jobs", "procrastinate_events", "procrastinate_workers")
 
     def start(self) -> None:
         async def install() -> None:
@@ -394,22 +375,7 @@ class ProcrastinateSystem(System):
                 await app.schema_manager.apply_schema_async()
 
         asyncio.run(install())
-        env = {
-            CONSUMER_ENV: json.dumps(
-                {"dsn": self.dsn, "slots": self.settings.slots, "ttl_s": self.settings.lease_ttl_s}
-            )
-        }
-        for index in range(2):
-            self.add(
-                f"procrastinate-{index}",
-                lambda index=index: self.processes.start(
-                    f"procrastinate-{index}",
-                    ["procrastinate"],
-                    module="benchmarks.chaos_systems",
-                    env=env,
-                ),
-                worker=True,
-            )
+        self.start_consumers()
 
     def commands(self) -> str:
         ttl = self.settings.lease_ttl_s

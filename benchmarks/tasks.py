@@ -56,10 +56,16 @@ def stamp(payload: Any) -> None:
 
 
 def record(ledger: str, event: str, key: str, attempt: int | None = None) -> None:
-    """One line appended to the ledger in a single write: lines of concurrent writers (other slots,
-    other processes) never interleave."""
-    line = json.dumps({"event": event, "key": key, "attempt": attempt, "t": time.time()})
-    fd = os.open(ledger, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    """One ledger line (see :func:`append_line`)."""
+    append_line(
+        ledger, json.dumps({"event": event, "key": key, "attempt": attempt, "t": time.time()})
+    )
+
+
+def append_line(path: str, line: str) -> None:
+    """``line`` and a newline appended to ``path`` in one ``write`` (O_APPEND): lines of
+    concurrent writers never interleave."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
         os.write(fd, (line + "\n").encode())
     finally:
