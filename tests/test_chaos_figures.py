@@ -4,6 +4,8 @@ duplicate, and how long a dip in the completion rate lasted."""
 from __future__ import annotations
 
 from benchmarks.chaos import (
+    RECOVERED_FRACTION,
+    WINDOW_S,
     Job,
     Ledger,
     PhaseWindow,
@@ -20,10 +22,10 @@ def _steady(start: float, end: float, per_s: int) -> list[float]:
 
 
 def test_the_completion_rate_counts_a_trailing_window() -> None:
-    ends = _steady(0.0, 10.0, 10)
-    rates = dict(completion_rates(ends, 0.0, 10.0))
-    assert rates[5.0] == 10.0  # 20 completions in (3, 5]
-    assert rates[0.0] == 0.5  # only the one at t = 0 in (-2, 0]
+    ends = _steady(0.0, 20.0, 10)
+    rates = dict(completion_rates(ends, 0.0, 20.0))
+    assert rates[10.0] == 10.0  # 10 a second in (10 - WINDOW_S, 10]
+    assert rates[0.0] == 1 / WINDOW_S  # only the one at t = 0
 
 
 def test_recovery_is_the_time_until_the_rate_is_back_for_good() -> None:
@@ -35,8 +37,9 @@ def test_recovery_is_the_time_until_the_rate_is_back_for_good() -> None:
     assert baseline == 10.0
     recovered = recovery_seconds(ends, fault, baseline)
     assert recovered is not None
-    # Below 90 % from 12.25 s until the window holds 18 completions again, at 16.75 s.
-    assert 6.5 <= recovered <= 7.0, recovered
+    # Back at 90 % once the window after the gap holds 90 % of its completions again.
+    expected = 15.0 + RECOVERED_FRACTION * WINDOW_S - fault.start
+    assert abs(recovered - expected) <= 0.5, (recovered, expected)
 
     assert recovery_seconds(_steady(0.0, 30.0, 10), fault, baseline) == 0.0
     assert recovery_seconds(_steady(0.0, 25.0, 10), fault, baseline) is None
