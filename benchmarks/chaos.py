@@ -686,38 +686,20 @@ def _cell(value: object) -> str:
 
 
 def print_phase_table(rows: Sequence[PhaseFigures]) -> None:
-    header = ("system", "phase", "lost", "duplicates", "recovery_s", "pickup_p99_ms", "dead_tuples")
-    cells = [
-        (
-            row.system,
-            row.phase,
-            _cell(row.lost),
-            _cell(row.duplicates),
-            _cell(row.recovery_s),
-            _cell(row.pickup_p99_ms),
-            _cell(row.dead_tuples),
+    """One line per system and phase; the names left-aligned, the figures right-aligned."""
+    header = tuple(item.name for item in dataclasses.fields(PhaseFigures))
+    cells = [tuple(_cell(value) for value in dataclasses.astuple(row)) for row in rows]
+    widths = [max(len(name), *(len(line[i]) for line in cells)) for i, name in enumerate(header)]
+
+    def line(values: Sequence[str]) -> str:
+        return "  ".join(
+            value.ljust(width) if i < 2 else value.rjust(width)
+            for i, (value, width) in enumerate(zip(values, widths, strict=True))
         )
-        for row in rows
-    ]
-    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(header)]
+
     rule = "  ".join("-" * width for width in widths)
     print("Faults under a fixed load, per system and phase (one run; noisy machine)")
-    print(rule)
-    print(
-        "  ".join(
-            h.ljust(w) if i < 2 else h.rjust(w)
-            for i, (h, w) in enumerate(zip(header, widths, strict=True))
-        )
-    )
-    print(rule)
-    for row in cells:
-        print(
-            "  ".join(
-                c.ljust(w) if i < 2 else c.rjust(w)
-                for i, (c, w) in enumerate(zip(row, widths, strict=True))
-            )
-        )
-    print(rule, flush=True)
+    print(rule, line(header), rule, *(line(values) for values in cells), rule, sep="\n", flush=True)
 
 
 def verdict(rows: Sequence[PhaseFigures]) -> dict[str, Any]:
