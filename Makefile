@@ -3,7 +3,7 @@ VENV = .venv
 PYTEST_ARGS ?=
 
 .PHONY: venv test demo clean bench-recovery bench-idle bench-recover-time bench-throughput \
-	bench-latency bench-standalone
+	bench-latency bench-standalone bench-chaos
 
 venv: $(VENV)/.installed
 
@@ -49,6 +49,9 @@ bench-latency: venv
 
 bench-standalone: venv
 	$(VENV)/bin/python -m benchmarks standalone
+
+bench-chaos: venv
+	$(VENV)/bin/python -m benchmarks chaos
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .mypy_cache .ruff_cache .pytest_cache .hypothesis

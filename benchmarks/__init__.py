@@ -7,5 +7,7 @@ database; ``python -m benchmarks recover-time`` times recovery after the SIGKILL
 PgQueuer, and ``python -m benchmarks latency`` times a submit to the first line of its task
 against PgQueuer, both with real ``ql3 serve`` and ``ql3 worker`` processes;
 ``python -m benchmarks standalone`` works no-op runs through ``ql3 standalone`` against Huey's
-``SqliteHuey``. Each prints a table and, with ``--json``, one JSON object as its last line.
+``SqliteHuey``; ``python -m benchmarks chaos`` applies faults (kills, server restarts, held
+transactions, exhausted connections) under a fixed load to QL3, PgQueuer and Procrastinate on a
+private server. Each prints a table and, with ``--json``, one JSON object as its last line.
 """

@@ -1,4 +1,4 @@
-"""``python -m benchmarks <recovery|idle|recover-time|throughput|latency|standalone> [options]``."""
+"""``python -m benchmarks <recovery|idle|recover-time|throughput|latency|standalone|chaos> ...``."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from benchmarks.common import ADMIN_URL_ENV, ArgumentParser, BenchmarkError, adm
 
 
 def parser() -> ArgumentParser:
-    from benchmarks import idle, latency, recover_time, recovery, standalone, throughput
+    from benchmarks import chaos, idle, latency, recover_time, recovery, standalone, throughput
 
     top = ArgumentParser(
         prog="python -m benchmarks",
@@ -19,7 +19,8 @@ def parser() -> ArgumentParser:
         ),
     )
     commands = top.add_subparsers(
-        dest="command", metavar="{recovery,idle,recover-time,throughput,latency,standalone}"
+        dest="command",
+        metavar="{recovery,idle,recover-time,throughput,latency,standalone,chaos}",
     )
     commands.required = True
     recovery.add_arguments(
@@ -50,12 +51,19 @@ def parser() -> ArgumentParser:
             "standalone", help="no-op runs through ql3 standalone on SQLite vs Huey's SqliteHuey"
         )
     )
+    chaos.add_arguments(
+        commands.add_parser(
+            "chaos",
+            help="faults under load (kills, server restart, held transactions, ...) vs PgQueuer"
+            " and Procrastinate, on a private server",
+        )
+    )
     return top
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    from benchmarks import idle, latency, recover_time, recovery, standalone, throughput
+    from benchmarks import chaos, idle, latency, recover_time, recovery, standalone, throughput
 
     run = {
         "recovery": recovery.main,
@@ -64,6 +72,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "throughput": throughput.main,
         "latency": latency.main,
         "standalone": standalone.main,
+        "chaos": chaos.main,
     }[args.command]
     try:
         return run(args, admin_url())

@@ -38,7 +38,6 @@ import asyncio
 import json
 import os
 import random
-import signal
 import sys
 import tempfile
 import time
@@ -67,7 +66,7 @@ from benchmarks.processes import (
     worker_argv,
 )
 from benchmarks.tasks import STAMP, write_stamp
-from benchmarks.throughput import asyncpg_dsn, install_pgqueuer, require_pgqueuer
+from benchmarks.throughput import asyncpg_dsn, install_pgqueuer, require_pgqueuer, serve_pgqueuer
 
 SLOTS = 8
 WORKER_ID = "bench-latency-worker"
@@ -306,31 +305,24 @@ def ql3_side(args: argparse.Namespace, admin: str) -> dict[str, Any]:
 # --- PgQueuer ----------------------------------------------------------------------------------
 
 
-async def _consume(dsn: str) -> None:
-    """The PgQueuer consumer's process: one QueueManager until SIGTERM or SIGINT."""
-    import asyncpg
-    from pgqueuer import AsyncpgDriver, Queries, QueueManager
-
-    conn = await asyncpg.connect(dsn)
-    try:
-        manager = QueueManager(Queries(AsyncpgDriver(conn)))
-
-        @manager.entrypoint(STAMP)
-        async def stamp(job: Any) -> None:
-            started = time.time()
-            payload = json.loads(job.payload)
-            write_stamp(payload["dir"], payload["name"], started)
-
-        loop = asyncio.get_running_loop()
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(signum, manager.shutdown.set)
-        await manager.run(batch_size=PGQUEUER_BATCH, max_concurrent_tasks=SLOTS)
-    finally:
-        await conn.close()
+def _stamp_entrypoint(manager: Any) -> None:
+    @manager.entrypoint(STAMP)
+    async def stamp(job: Any) -> None:
+        started = time.time()
+        payload = json.loads(job.payload)
+        write_stamp(payload["dir"], payload["name"], started)
 
 
 def consume() -> int:
-    asyncio.run(_consume(os.environ[DSN_ENV]))
+    """The PgQueuer consumer's process: one QueueManager until SIGTERM or SIGINT."""
+    asyncio.run(
+        serve_pgqueuer(
+            os.environ[DSN_ENV],
+            _stamp_entrypoint,
+            batch_size=PGQUEUER_BATCH,
+            max_concurrent_tasks=SLOTS,
+        )
+    )
     return 0
 
 

@@ -103,9 +103,10 @@ def wait_until(
         time.sleep(interval_s)
 
 
-def node_argv(flags: Sequence[str]) -> list[str]:
-    """The command line of a benchmark's node: ``ql3 serve --port 0 FLAGS...``."""
-    return ["serve", "--port", "0", *flags]
+def node_argv(flags: Sequence[str], port: int = 0) -> list[str]:
+    """The command line of a benchmark's node: ``ql3 serve --port PORT FLAGS...`` (0: a free
+    port, printed when it listens)."""
+    return ["serve", "--port", str(port), *flags]
 
 
 def worker_argv(node_url: str, worker_id: str, flags: Sequence[str]) -> list[str]:
@@ -179,9 +180,10 @@ class Processes:
         environment; stopped with the others."""
         return self._spawn(name, argv, module, env)
 
-    def start_node(self, flags: Sequence[str]) -> tuple[Process, str]:
-        """``ql3 serve --port 0 FLAGS...``; returns the process and its URL once it listens."""
-        process = self._spawn("node", node_argv(flags))
+    def start_node(self, flags: Sequence[str], port: int = 0) -> tuple[Process, str]:
+        """``ql3 serve --port PORT FLAGS...``; returns the process and its URL once it listens.
+        A fixed ``port`` lets a restarted node keep the URL its workers know."""
+        process = self._spawn("node", node_argv(flags, port))
         url: list[str] = []
 
         def listening() -> bool:

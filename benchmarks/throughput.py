@@ -39,8 +39,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import secrets
+import signal
 import statistics
 import time
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -247,6 +249,25 @@ async def install_pgqueuer(dsn: str) -> None:
         await Queries(AsyncpgDriver(conn)).install()
     finally:
         await conn.close()
+
+
+async def serve_pgqueuer(dsn: str, register: Callable[[Any], None], **run_options: Any) -> None:
+    """A PgQueuer consumer process's life: one ``QueueManager`` on one asyncpg connection, with
+    the entrypoints ``register`` adds to it, run with ``run_options`` until SIGTERM or SIGINT."""
+    import asyncpg
+    from pgqueuer import AsyncpgDriver, Queries, QueueManager
+
+    conn = await asyncpg.connect(dsn)
+    try:
+        manager = QueueManager(Queries(AsyncpgDriver(conn)))
+        register(manager)
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, manager.shutdown.set)
+        await manager.run(**run_options)
+    finally:
+        if not conn.is_closed():
+            await conn.close()
 
 
 async def _pgqueuer_round(dsn: str, jobs: int) -> dict[str, float]:

@@ -5,7 +5,8 @@ A test session needs one server it may create and drop databases on. It is found
 1. ``QL3_TEST_DATABASE_URL`` (a SQLAlchemy URL, used as the maintenance connection);
 2. a server at ``127.0.0.1:5432``, user ``postgres``, database ``postgres``, trust auth;
 3. a private server started from the installed PostgreSQL binaries in a temporary directory,
-   stopped and deleted at the end of the session.
+   stopped and deleted at the end of the session (:mod:`benchmarks.private_server`, which the
+   chaos benchmark uses too).
 
 Databases are created and dropped with psycopg directly in autocommit mode, because
 ``CREATE DATABASE`` cannot run inside a transaction.
@@ -13,42 +14,26 @@ Databases are created and dropped with psycopg directly in autocommit mode, beca
 
 from __future__ import annotations
 
-import glob
 import os
-import pwd
 import secrets
-import shlex
-import shutil
-import socket
-import subprocess
-import tempfile
-from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import psycopg
 from psycopg import sql
 from sqlalchemy.engine import URL, make_url
 
+from benchmarks.private_server import (
+    DRIVER,
+    LOCAL_HOST,
+    LOCAL_USER,
+    PrivateServer,
+    ServerUnavailable,
+    start_private_server,
+)
+
 DATABASE_URL_ENV = "QL3_TEST_DATABASE_URL"
-DRIVER = "postgresql+psycopg"
-LOCAL_HOST = "127.0.0.1"
 LOCAL_PORT = 5432
-LOCAL_USER = "postgres"
 CONNECT_TIMEOUT_S = 3
-SERVER_START_TIMEOUT_S = 30
-
-PRIVATE_SERVER_SETTINGS = {
-    "listen_addresses": f"'{LOCAL_HOST}'",
-    "fsync": "off",
-    "synchronous_commit": "off",
-    "full_page_writes": "off",
-    "max_connections": "200",
-}
-
-
-class ServerUnavailable(RuntimeError):
-    """No PostgreSQL server could be reached or started; the message says why."""
 
 
 @dataclass
@@ -153,197 +138,6 @@ def find_server() -> PostgresServer:
             f"a private server could not be started ({error})"
         ) from error
     return PostgresServer(admin_url=private.admin_url, origin="private", private=private)
-
-
-# ------------------------------------------------------------------------------ private server
-
-
-def find_binaries() -> Path:
-    """The directory holding both ``initdb`` and ``pg_ctl``; newest major version first."""
-    candidates: list[Path] = []
-    on_path = shutil.which("initdb")
-    if on_path:
-        candidates.append(Path(on_path).parent)
-        candidates.append(Path(on_path).resolve().parent)
-
-    def major(directory: str) -> int:
-        version = Path(directory).parent.name
-        return int(version) if version.isdigit() else -1
-
-    versioned = sorted(glob.glob("/usr/lib/postgresql/*/bin"), key=major, reverse=True)
-    candidates.extend(Path(directory) for directory in versioned)
-    for directory in candidates:
-        if (directory / "initdb").is_file() and (directory / "pg_ctl").is_file():
-            return directory
-    raise ServerUnavailable("initdb and pg_ctl not found on PATH or in /usr/lib/postgresql/*/bin")
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind((LOCAL_HOST, 0))
-        port: int = probe.getsockname()[1]
-        return port
-
-
-@dataclass
-class PrivateServer:
-    """A server this process started in ``base_dir``; ``stop`` shuts it down and deletes it."""
-
-    bin_dir: Path
-    base_dir: Path
-    port: int
-    run_as: str | None
-    running: bool = True
-
-    @property
-    def data_dir(self) -> Path:
-        return self.base_dir / "data"
-
-    @property
-    def log_file(self) -> Path:
-        return self.base_dir / "server.log"
-
-    @property
-    def admin_url(self) -> str:
-        return _render(
-            URL.create(
-                DRIVER, username=LOCAL_USER, host=LOCAL_HOST, port=self.port, database="postgres"
-            )
-        )
-
-    def stop(self) -> None:
-        try:
-            if self.running:
-                _run(
-                    [
-                        str(self.bin_dir / "pg_ctl"),
-                        "-D",
-                        str(self.data_dir),
-                        "-m",
-                        "immediate",
-                        "-w",
-                        "-t",
-                        str(SERVER_START_TIMEOUT_S),
-                        "stop",
-                    ],
-                    run_as=self.run_as,
-                    cwd=self.base_dir,
-                )
-        finally:
-            self.running = False
-            shutil.rmtree(self.base_dir, ignore_errors=True)
-
-
-def _run(
-    command: Sequence[str], *, run_as: str | None, cwd: Path
-) -> subprocess.CompletedProcess[str]:
-    """Run a PostgreSQL tool, as ``run_as`` when given (the server refuses to run as root)."""
-    if run_as is not None:
-        if shutil.which("runuser"):
-            command = ["runuser", "-u", run_as, "--", *command]
-        else:
-            command = ["su", run_as, "-s", "/bin/sh", "-c", shlex.join(command)]
-    env = {key: value for key, value in os.environ.items() if not key.startswith("PG")}
-    env["LC_ALL"] = "C"
-    result = subprocess.run(
-        list(command),
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=SERVER_START_TIMEOUT_S * 2,
-        check=False,
-    )
-    if result.returncode != 0:
-        raise ServerUnavailable(
-            f"{shlex.join(command)} exited {result.returncode}: "
-            f"{(result.stderr or result.stdout).strip()[-2000:]}"
-        )
-    return result
-
-
-def _chown_tree(root: Path, uid: int, gid: int) -> None:
-    os.chown(root, uid, gid)
-    for directory, subdirs, files in os.walk(root):
-        for name in [*subdirs, *files]:
-            os.chown(os.path.join(directory, name), uid, gid)
-
-
-def start_private_server(bin_dir: Path | None = None) -> PrivateServer:
-    """Initialise and start a throw-away server on a free local port.
-
-    Durability is switched off (``fsync``, ``synchronous_commit``, ``full_page_writes``) because
-    the data dies with the session. Its unix socket lives in the temporary directory, so it never
-    collides with a system server. Raises ``ServerUnavailable`` when it cannot be started.
-    """
-    bin_dir = bin_dir or find_binaries()
-    run_as: str | None = None
-    owner: pwd.struct_passwd | None = None
-    if os.geteuid() == 0:
-        try:
-            owner = pwd.getpwnam("postgres")
-        except KeyError as error:
-            raise ServerUnavailable("running as root and no 'postgres' OS user exists") from error
-        run_as = owner.pw_name
-
-    base_dir = Path(tempfile.mkdtemp(prefix="ql3-pg-"))
-    try:
-        if owner is not None:
-            _chown_tree(base_dir, owner.pw_uid, owner.pw_gid)
-        server = PrivateServer(
-            bin_dir=bin_dir, base_dir=base_dir, port=free_port(), run_as=run_as, running=False
-        )
-        _run(
-            [
-                str(bin_dir / "initdb"),
-                "-D",
-                str(server.data_dir),
-                "-U",
-                LOCAL_USER,
-                "-A",
-                "trust",
-                "-E",
-                "UTF8",
-                "--locale=C",
-                "--no-sync",
-            ],
-            run_as=run_as,
-            cwd=base_dir,
-        )
-        settings = {
-            **PRIVATE_SERVER_SETTINGS,
-            "port": str(server.port),
-            "unix_socket_directories": f"'{base_dir}'",
-        }
-        with (server.data_dir / "postgresql.conf").open("a", encoding="utf-8") as conf:
-            conf.write("\n# throw-away test server\n")
-            conf.writelines(f"{key} = {value}\n" for key, value in settings.items())
-        try:
-            _run(
-                [
-                    str(bin_dir / "pg_ctl"),
-                    "-D",
-                    str(server.data_dir),
-                    "-l",
-                    str(server.log_file),
-                    "-w",
-                    "-t",
-                    str(SERVER_START_TIMEOUT_S),
-                    "start",
-                ],
-                run_as=run_as,
-                cwd=base_dir,
-            )
-        except ServerUnavailable as error:
-            log = ""
-            if server.log_file.exists():
-                log = server.log_file.read_text(errors="replace")[-2000:]
-            raise ServerUnavailable(f"{error}\n{log}") from error
-        server.running = True
-    except BaseException:
-        shutil.rmtree(base_dir, ignore_errors=True)
-        raise
-    return server
 
 
 # ------------------------------------------------------------------------------ databases

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import in_ci
 from tests.postgres_server import PostgresServer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -301,6 +302,58 @@ def test_standalone_without_huey_fails_in_one_line(tmp_path: Path) -> None:
     assert "pip install -e '.[bench]'" in lines[0]
 
 
+CHAOS_FIGURES = {
+    "system",
+    "phase",
+    "lost",
+    "duplicates",
+    "recovery_s",
+    "pickup_p99_ms",
+    "dead_tuples",
+}
+
+
+def test_chaos_benchmark_kills_a_ql3_worker_and_loses_nothing() -> None:
+    done = _run(
+        [
+            "chaos",
+            "--systems",
+            "ql3",
+            "--phases",
+            "kill-worker",
+            "--phase-seconds",
+            "3",
+            "--json",
+        ],
+        admin_url=None,
+    )
+    if done.returncode == 1 and "needs its own PostgreSQL server" in done.stderr and not in_ci():
+        pytest.skip(done.stderr.strip())
+    result = _last_json(done)
+    phases = result["phases"]
+    assert isinstance(phases, list)
+    assert [(row["system"], row["phase"]) for row in phases] == [
+        ("ql3", "clean"),
+        ("ql3", "kill-worker"),
+    ], phases
+    for row in phases:
+        assert set(row) == CHAOS_FIGURES, row
+        assert row["lost"] == 0 and row["duplicates"] == 0, row
+        assert isinstance(row["dead_tuples"], int) and row["dead_tuples"] >= 0, row
+        assert isinstance(row["pickup_p99_ms"], float) and row["pickup_p99_ms"] > 0, row
+    clean, killed = phases
+    assert clean["recovery_s"] is None  # no fault to recover from
+    # Seconds, or null if the rate was not back within the phase (a busy machine).
+    assert killed["recovery_s"] is None or killed["recovery_s"] >= 0, killed
+    details = {row["phase"]: row for row in result["details"]}  # type: ignore[union-attr]
+    assert details["kill-worker"]["kills"] == 1
+    for row in details.values():
+        assert row["admitted"] > 0 and row["finished"] == row["admitted"], row
+    assert result["targets"]["zero_lost"] is True  # type: ignore[index]
+    table = done.stdout.strip().splitlines()[:-1]
+    assert any(line.split()[:2] == ["ql3", "kill-worker"] for line in table), done.stdout
+
+
 @pytest.mark.parametrize(
     "args",
     [
@@ -319,6 +372,9 @@ def test_standalone_without_huey_fails_in_one_line(tmp_path: Path) -> None:
         ["latency", "--seconds", "soon"],
         ["standalone", "--runs", "many"],
         ["standalone", "--rounds", "21"],
+        ["chaos", "--phases", "earthquake"],
+        ["chaos", "--systems", "ql3,celery"],
+        ["chaos", "--phase-seconds", "0"],
     ],
 )
 def test_bad_arguments_end_with_one_line_and_status_2(args: list[str]) -> None:

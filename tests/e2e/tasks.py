@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 from adapters.execution import TaskContext
+from benchmarks.tasks import append_line
 
 
 def _ledger(event: str, context: TaskContext, **data: Any) -> None:
@@ -19,11 +20,7 @@ def _ledger(event: str, context: TaskContext, **data: Any) -> None:
         {"event": event, "run_id": context.run_id, "attempt": context.attempt_number,
          "key": context.idempotency_key, "pid": os.getpid(), **data}
     )
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, (line + "\n").encode())
-    finally:
-        os.close(fd)
+    append_line(path, line)
 
 
 def double(payload: Any, context: TaskContext) -> Any:

@@ -34,11 +34,9 @@ from tests.postgres_server import (
     DRIVER,
     LOCAL_HOST,
     LOCAL_USER,
-    SERVER_START_TIMEOUT_S,
     PostgresServer,
     PrivateServer,
     ServerUnavailable,
-    _run,
     connect,
     start_private_server,
 )
@@ -414,24 +412,7 @@ class RestartableServer:
 
     def restart(self) -> None:
         """``pg_ctl restart -m fast``: every connection is cut, the data directory stays."""
-        server = self.private
-        _run(
-            [
-                str(server.bin_dir / "pg_ctl"),
-                "-D",
-                str(server.data_dir),
-                "-l",
-                str(server.log_file),
-                "-m",
-                "fast",
-                "-w",
-                "-t",
-                str(SERVER_START_TIMEOUT_S),
-                "restart",
-            ],
-            run_as=server.run_as,
-            cwd=server.base_dir,
-        )
+        self.private.restart()
 
 
 @pytest.fixture(scope="module")
