@@ -43,9 +43,7 @@ def test_the_gate_opens_only_if_it_closed_before_the_cycle_began(
         assert uow.gate.open(now + 1, uow.now_ms()) is False  # open already
 
 
-def test_without_a_recovery_step_a_closed_gate_opens(
-    store: Any, advance: Callable[[int], None]
-) -> None:
+def test_without_a_recovery_step_a_closed_gate_opens(store: Any) -> None:
     closed = closed_at(store)
     with committed(store) as uow:
         assert uow.gate.open(None, closed) is True
