@@ -3,9 +3,10 @@
 Workers claim queued Attempts themselves (:meth:`application.worker_commands.WorkerCommands.claim`);
 what the cadence keeps is the reason ADR-0232 runs admission after recovery and lost retry: no
 new work is dispatched while lease authority is unknown. A failed recovery or lost-retry step
-closes the gate (:meth:`DispatchGateStep.close`, called by the cluster coordinator); step 5 of the
-next cycle whose earlier steps all succeeded opens it again. Claims grant nothing while it is
-closed and say why."""
+closes the gate (:meth:`DispatchGateStep.close`, called by the cluster coordinator); step 5 of a
+later cycle whose earlier steps all succeeded opens it again, unless the gate closed after that
+cycle's recovery step began (another replica's failure, reported meanwhile). Claims grant
+nothing while it is closed and say why."""
 
 from __future__ import annotations
 
@@ -32,13 +33,18 @@ class DispatchGateStep:
         self._uow_factory = uow_factory
         self._source = source
 
-    def run_once(self) -> GateReport:
+    def run_once(self, cycle_started_at_ms: int | None = None) -> GateReport:
+        """Open the gate unless it closed at or after ``cycle_started_at_ms``, the store's
+        clock when this cycle's recovery step read its page (a compare-and-set: a close
+        committed since is kept, and the next cycle opens it). None for a cycle without a
+        recovery step (Standalone, Edge)."""
         if self._source.dispatch_gate().open:
             return GateReport()
         with self._uow_factory() as uow:
-            uow.gate.set(DispatchGate(open=True, reason=None, changed_at_ms=uow.now_ms()))
-            uow.commit()
-        return GateReport(opened=1)
+            opened = uow.gate.open(cycle_started_at_ms, uow.now_ms())
+            if opened:
+                uow.commit()
+        return GateReport(opened=int(opened))
 
     def close(self, reason: str, candidate: FailingCandidate | None = None) -> None:
         """Close the gate: claims grant nothing until a later cycle reaches step 5. With the

@@ -111,6 +111,18 @@ class DispatchGate:
     changed_at_ms: int | None = None
     failure: StepFailure | None = None
 
+    def may_open(self, closed_before_ms: int | None) -> bool:
+        """Whether step 5 of a cycle that began at ``closed_before_ms`` (the store's clock)
+        opens this gate: only a closed gate that has not changed since the cycle began, so a
+        failure another replica reported meanwhile keeps it closed (ADR 0007). None: no
+        recovery step began the cycle (Standalone, Edge), and a closed gate opens. A closed
+        gate without its time (a row written before it was recorded) opens too."""
+        if self.open:
+            return False
+        if closed_before_ms is None or self.changed_at_ms is None:
+            return True
+        return self.changed_at_ms < closed_before_ms
+
 
 OPEN_GATE = DispatchGate(open=True)
 
@@ -348,6 +360,11 @@ class DispatchGateRepository(Protocol):
 
     def set(self, gate: DispatchGate) -> None:
         """Replace the gate's state (one row for every replica of the store)."""
+
+    def open(self, closed_before_ms: int | None, now_ms: int) -> bool:
+        """Open the gate at ``now_ms`` if :meth:`DispatchGate.may_open` says so for the gate
+        as stored: one compare-and-set, so a close that another transaction committed since
+        the cycle began is never overwritten. True when this opened it."""
 
 
 class SchedulerUnitOfWork(UnitOfWork, Protocol):

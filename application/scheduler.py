@@ -3,7 +3,8 @@
 Production order (ADR 0002): runtime recovery -> lost retry -> trigger schedule -> workflow
 frontier -> task attempt admission. If recovery or lost retry fails, the rest of that cycle does
 not run and the dispatch gate closes: no new work is dispatched while the authority state is
-unknown. Step 5 of the next good cycle opens it again (ADR 0007).
+unknown. Step 5 of the next good cycle opens it again, unless the gate closed after that cycle's
+recovery step began (ADR 0007).
 """
 
 from __future__ import annotations
@@ -27,6 +28,26 @@ class SchedulerStep(Protocol):
     """One step of the cadence: does a bounded amount of work and reports counts."""
 
     def run_once(self) -> StepReport: ...
+
+
+class AdmissionStep(Protocol):
+    """Step 5, task attempt admission: told when the cycle's recovery step began (the store's
+    clock its page observed; None without one), so that it never opens a gate that closed
+    since (ADR 0007)."""
+
+    def run_once(self, cycle_started_at_ms: int | None = None) -> StepReport: ...
+
+
+class ObservedReport(StepReport, Protocol):
+    @property
+    def observed_at_ms(self) -> int | None: ...
+
+
+class RecoveryStep(Protocol):
+    """Step 1, runtime recovery: its first statement, the candidate page, observes the store's
+    clock, which is when the cycle began."""
+
+    def run_once(self) -> ObservedReport: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +99,10 @@ class CycleSummary:
 
     def step(self, name: str) -> StepOutcome | None:
         return next((s for s in self.steps if s.name == name), None)
+
+    def followed_by(self, later: CycleSummary) -> CycleSummary:
+        """This cycle's steps, then ``later``'s (which ran because these succeeded)."""
+        return CycleSummary(steps=(*self.steps, *later.steps), aborted_at=later.aborted_at)
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -135,6 +160,15 @@ def run_steps(steps: tuple[tuple[str, SchedulerStep], ...]) -> CycleSummary:
     return CycleSummary(steps=tuple(outcomes))
 
 
+@dataclass(frozen=True, slots=True)
+class _AdmissionInCycle:
+    step: AdmissionStep
+    cycle_started_at_ms: int | None
+
+    def run_once(self) -> StepReport:
+        return self.step.run_once(self.cycle_started_at_ms)
+
+
 class SchedulerCoordinator:
     """The inner scheduler: trigger schedule -> workflow frontier -> task attempt admission."""
 
@@ -144,20 +178,22 @@ class SchedulerCoordinator:
         self,
         trigger_schedule: SchedulerStep,
         workflow_frontier: SchedulerStep,
-        task_attempt_admission: SchedulerStep,
+        task_attempt_admission: AdmissionStep,
     ) -> None:
-        self._steps: tuple[tuple[str, SchedulerStep], ...] = (
-            ("trigger_schedule", trigger_schedule),
-            ("workflow_frontier", workflow_frontier),
-            ("task_attempt_admission", task_attempt_admission),
+        self._trigger_schedule = trigger_schedule
+        self._workflow_frontier = workflow_frontier
+        self._admission = task_attempt_admission
+
+    def run_cycle(self, cycle_started_at_ms: int | None = None) -> CycleSummary:
+        """The three steps; ``cycle_started_at_ms`` is when the cluster coordinator's recovery
+        step began this cycle (None without one)."""
+        return run_steps(
+            (
+                ("trigger_schedule", self._trigger_schedule),
+                ("workflow_frontier", self._workflow_frontier),
+                ("task_attempt_admission", _AdmissionInCycle(self._admission, cycle_started_at_ms)),
+            )
         )
-
-    @property
-    def steps(self) -> tuple[tuple[str, SchedulerStep], ...]:
-        return self._steps
-
-    def run_cycle(self) -> CycleSummary:
-        return run_steps(self._steps)
 
 
 class GateCloser(Protocol):
@@ -180,7 +216,7 @@ class ClusterSchedulerCoordinator:
 
     def __init__(
         self,
-        runtime_recovery: SchedulerStep,
+        runtime_recovery: RecoveryStep,
         lost_retry: SchedulerStep,
         inner: SchedulerCoordinator,
         gate: GateCloser,
@@ -193,13 +229,10 @@ class ClusterSchedulerCoordinator:
         self._metrics = metrics
 
     def run_cycle(self) -> CycleSummary:
-        summary = run_steps(
-            (
-                ("runtime_recovery", self._recovery),
-                ("lost_retry", self._lost_retry),
-                *self._inner.steps,
-            )
-        )
+        recovery = _CycleStart(self._recovery)
+        summary = run_steps((("runtime_recovery", recovery), ("lost_retry", self._lost_retry)))
+        if summary.ok:
+            summary = summary.followed_by(self._inner.run_cycle(recovery.observed_at_ms))
         if summary.aborted_at in GUARD_STEPS:
             step = summary.step(summary.aborted_at or "")
             # A store that cannot take this write cannot grant a claim either.
@@ -210,6 +243,21 @@ class ClusterSchedulerCoordinator:
                 )
         report_cycle(self._metrics, summary, self.STEP_NAMES)
         return summary
+
+
+class _CycleStart:
+    """The recovery step, keeping when its page observed the store's clock: the cycle's start."""
+
+    __slots__ = ("_step", "observed_at_ms")
+
+    def __init__(self, step: RecoveryStep) -> None:
+        self._step = step
+        self.observed_at_ms: int | None = None
+
+    def run_once(self) -> StepReport:
+        report = self._step.run_once()
+        self.observed_at_ms = report.observed_at_ms
+        return report
 
 
 def report_cycle(metrics: Metrics, summary: CycleSummary, step_names: tuple[str, ...]) -> None:

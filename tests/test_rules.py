@@ -339,6 +339,7 @@ def test_rule_3_lost_retry_only_when_declared_safe_broken_head_stops_the_step(
     assert (failed.value.candidate.step, failed.value.candidate.run_id) == ("lost_retry", head)
     assert run_view(svc.store, second).run.status is RunStatus.LOST
     monkeypatch.undo()
+    svc.clock.advance(1)  # the next cycle begins after the close (ADR 0007)
     summary = svc.coordinator.run_cycle()
     assert summary.ok
     assert summary.step("task_attempt_admission").counts["gate_opened"] == 1
@@ -356,8 +357,9 @@ class RecordingStep:
     calls: list[str]
     fail: bool = False
     counts_: Mapping[str, int] = field(default_factory=dict)
+    observed_at_ms: int | None = None
 
-    def run_once(self) -> RecordingStep:
+    def run_once(self, cycle_started_at_ms: int | None = None) -> RecordingStep:
         self.calls.append(self.name)
         if self.fail:
             raise RuntimeError(f"{self.name} failed")

@@ -548,6 +548,12 @@ class MemoryGateRepository:
     def set(self, gate: DispatchGate) -> None:
         self._uow.write().gate = gate
 
+    def open(self, closed_before_ms: int | None, now_ms: int) -> bool:
+        if not self._uow.read().gate.may_open(closed_before_ms):
+            return False
+        self._uow.write().gate = DispatchGate(open=True, changed_at_ms=now_ms)
+        return True
+
 
 class MemoryEvidenceRepository:
     def __init__(self, uow: MemoryUnitOfWork) -> None:

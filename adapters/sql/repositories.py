@@ -160,17 +160,30 @@ class SqlEvidenceRepository(Generic[W]):
 
 
 class SqlGateRepository(Generic[W]):
-    """:class:`application.ports.DispatchGateRepository`: the one row, replaced. Not a
-    compare-and-set: the gate's state is whatever its latest writer decided (the cluster
-    coordinator closes it, step 5 opens it), and a missing row is written anew."""
+    """:class:`application.ports.DispatchGateRepository`: the one row. A close replaces it
+    (a failure is reported whatever the gate said); an opening is a compare-and-set on its
+    state and ``changed_at``, so it never overwrites a close committed since the cycle
+    began. A missing row is written anew."""
 
     def __init__(self, uow: W) -> None:
         self._uow = uow
 
     def set(self, gate: DispatchGate) -> None:
         if self._uow.write(statements.update_gate(gate), "the dispatch gate") == 0:
-            statement = statements.insert_gate(gate)
-            self._uow.atomically(lambda: self._uow.write(statement, "the dispatch gate"))
+            self._insert(gate)
+
+    def open(self, closed_before_ms: int | None, now_ms: int) -> bool:
+        statement = statements.open_gate(closed_before_ms, now_ms)
+        if self._uow.write(statement, "the dispatch gate") == 1:
+            return True
+        if self._uow.execute(statements.get_gate()).first() is not None:
+            return False  # open already, or closed since the cycle began
+        self._insert(DispatchGate(open=True, changed_at_ms=now_ms))
+        return True
+
+    def _insert(self, gate: DispatchGate) -> None:
+        statement = statements.insert_gate(gate)
+        self._uow.atomically(lambda: self._uow.write(statement, "the dispatch gate"))
 
     def get(self) -> DispatchGate:
         row = self._uow.execute(statements.get_gate()).mappings().first()

@@ -516,6 +516,17 @@ def update_gate(gate: DispatchGate) -> Update:
     )
 
 
+def open_gate(closed_before_ms: int | None, now_ms: int) -> Update:
+    """:meth:`DispatchGate.may_open` as the compare-and-set's predicate: the gate opens only
+    if it is closed and did not change at or after ``closed_before_ms``."""
+    g = dispatch_gate.c
+    predicate = [g.id == DISPATCH_GATE_ID, g.open.is_(false())]
+    if closed_before_ms is not None:
+        predicate.append(or_(g.changed_at.is_(None), g.changed_at < closed_before_ms))
+    opened = DispatchGate(open=True, changed_at_ms=now_ms)
+    return update(dispatch_gate).where(*predicate).values(_gate_values(opened))
+
+
 def insert_gate(gate: DispatchGate) -> Insert:
     return insert(dispatch_gate).values(id=DISPATCH_GATE_ID, **_gate_values(gate))
 

@@ -75,4 +75,5 @@ class StandaloneCoordinator:
         self._inner = inner
 
     def run_cycle(self) -> CycleSummary:
-        return run_steps((("due_retries", self._due_retries), *self._inner.steps))
+        summary = run_steps((("due_retries", self._due_retries),))
+        return summary.followed_by(self._inner.run_cycle()) if summary.ok else summary

@@ -73,6 +73,7 @@ def test_a_failed_guard_step_closes_the_gate_for_every_claim_until_a_good_cycle(
     assert newcomer.claim().no_grant is NoGrant.GATE_CLOSED
     assert rt.run(other).status is RunStatus.QUEUED
 
+    rt.advance(1)  # the next cycle begins after the close
     summary = rt.cycle()  # every step succeeds: step 5 opens the gate
 
     assert summary.ok
