@@ -275,7 +275,7 @@ class NodeHeartbeat:
     """A cycle listener that records this node's last cycle in the store (``ql3 status``):
     after the first cycle, whenever the outcome changes, and otherwise at most every
     ``every_s`` seconds, so that an idle cycle costs no statement for it and an idle node
-    commits twice a minute for it (ADRs 0010, 0013). A failed
+    commits twice a minute for it (ADRs 0010, 0012). A failed
     write is tried again after the next cycle."""
 
     def __init__(

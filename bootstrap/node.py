@@ -117,7 +117,7 @@ def open_node_store(
 
 
 def heartbeat_interval_ms(lease_ttl_s: float) -> int:
-    """How often a worker heartbeats: once per lease TTL (ADR 0013)."""
+    """How often a worker heartbeats: once per lease TTL (ADR 0012)."""
     return default_heartbeat_interval_ms(seconds_to_ms(lease_ttl_s))
 
 

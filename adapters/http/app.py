@@ -43,7 +43,7 @@ Lifespan = Callable[[FastAPI], AbstractAsyncContextManager[None]]
 
 def default_heartbeat_interval_ms(lease_ttl_ms: int) -> int:
     """One lease TTL: how often a session records that its worker lives. No decision reads
-    that record (leases and evidence do, ADR 0013), so it costs one commit per worker and TTL;
+    that record (leases and evidence do, ADR 0012), so it costs one commit per worker and TTL;
     renewals keep their own schedule (a third of the TTL)."""
     return max(MIN_HEARTBEAT_INTERVAL_MS, lease_ttl_ms)
 

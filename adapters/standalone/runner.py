@@ -30,7 +30,7 @@ Loop
     - Leases of running Attempts are renewed (``renew_many``) every third of the TTL. The
       session sends no heartbeat: the process owns the database (the exclusive lock), so its
       liveness concerns nobody else and a restart replaces its session; an idle process writes
-      nothing (ADR 0013).
+      nothing (ADR 0012).
     - The cadence (:class:`adapters.standalone.steps.StandaloneCoordinator`: due retries,
       trigger schedule, workflow frontier, task attempt admission, the dispatch gate step) runs
       on the resident cadence, when a due time the store names is reached, and after wake-ups

@@ -13,7 +13,7 @@ waits behind a claim parked at the node:
   thirds of the TTL left, and probes of the leases whose abandon was only recorded (see
   :mod:`.ledger`);
 - a **heartbeat** once per the interval the node asked for (one lease TTL): the session's
-  recorded liveness, which an idle worker's claims, writing nothing, do not move (ADR 0013).
+  recorded liveness, which an idle worker's claims, writing nothing, do not move (ADR 0012).
 
 A refusal of the session (gone, replaced) or an ingress that stays away for the whole retry
 budget fails the worker."""
