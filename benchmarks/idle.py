@@ -69,7 +69,6 @@ TABLE_NAMES = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--json", action="store_true", help="print one JSON object last")
     parser.add_argument("--finished", type=positive_int, default=1_000_000, metavar="N")
     parser.add_argument("--cycles", type=positive_int, default=200, metavar="N")
     parser.add_argument(

@@ -99,7 +99,6 @@ def positive_float(high: float) -> Any:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--json", action="store_true", help="print one JSON object last")
     parser.add_argument(
         "--runs",
         type=bounded_int(1, 100_000),

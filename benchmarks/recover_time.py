@@ -58,7 +58,6 @@ def positive_float(text: str) -> float:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--json", action="store_true", help="print one JSON object last")
     parser.add_argument(
         "--rounds", type=bounded_int(1, 50), default=5, metavar="R", help="kills to time"
     )

@@ -55,7 +55,6 @@ TPS_LINE = re.compile(
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--json", action="store_true", help="print one JSON object last")
     parser.add_argument("--attempts", type=positive_int, default=10_000, metavar="N")
     parser.add_argument("--page-size", type=bounded_int(1, HARD_PAGE_CAP), default=64, metavar="N")
     parser.add_argument(

@@ -65,7 +65,6 @@ SYNCHRONOUS = {0: "OFF", 1: "NORMAL", 2: "FULL", 3: "EXTRA"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--json", action="store_true", help="print one JSON object last")
     parser.add_argument(
         "--runs",
         type=bounded_int(1, 1_000_000),

@@ -85,7 +85,6 @@ WORKER_FLAGS = ("--concurrency", str(SLOTS))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--json", action="store_true", help="print one JSON object last")
     parser.add_argument(
         "--runs",
         type=bounded_int(1, 1_000_000),
