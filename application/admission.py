@@ -24,6 +24,9 @@ class AdmissionRequest:
     task: str
     input: JsonValue = None
     policy: RetryPolicy | None = None
+    priority: int = 0
+    unique_key: str | None = None
+    timeout_ms: int | None = None
 
 
 class Admission:
@@ -50,6 +53,9 @@ class Admission:
                     input=request.input,
                     policy=request.policy,
                     owner=RunOwner.RUNTIME,
+                    priority=request.priority,
+                    unique_key=request.unique_key,
+                    timeout_ms=request.timeout_ms,
                     now_ms=now_ms,
                 )
                 for request in requests

@@ -56,6 +56,7 @@ class RunView:
             if policy is None
             else {
                 "retry_on_lost": policy.retry_on_lost,
+                "retry_on_error": policy.retry_on_error,
                 "max_attempts": policy.max_attempts,
                 "safety": policy.safety.value if policy.safety else None,
                 "backoff_initial_ms": policy.backoff.initial_ms,

@@ -123,9 +123,26 @@ class Quarantine:
     since_ms: int
 
 
+def _positive_or_none(_instance: object, attribute: object, value: int | None) -> None:
+    if value is not None and value < 1:
+        raise ValueError(f"{getattr(attribute, 'name', 'value')} must be positive")
+
+
+def _bounded_priority(_instance: object, _attribute: object, value: int) -> None:
+    if not MIN_PRIORITY <= value <= MAX_PRIORITY:
+        raise ValueError(f"priority must be within {MIN_PRIORITY}..{MAX_PRIORITY}")
+
+
+MIN_PRIORITY = -1_000_000
+MAX_PRIORITY = 1_000_000
+MAX_UNIQUE_KEY_LENGTH = 400
+
+
 @frozen(kw_only=True)
 class Run:
-    """A unit of work admitted by a caller. Its retry policy is a snapshot taken at admission."""
+    """A unit of work admitted by a caller. Its retry policy is a snapshot taken at admission,
+    as are its priority (higher is claimed first), its unique key (while the Run is unfinished,
+    no other Run holds it) and its execution timeout."""
 
     id: str = field(validator=_non_empty)
     task: str = field(validator=_non_empty)
@@ -139,6 +156,9 @@ class Run:
     error: str | None = None
     parent_run_id: str | None = None
     quarantine: Quarantine | None = None
+    priority: int = field(default=0, validator=_bounded_priority)
+    unique_key: str | None = None
+    timeout_ms: int | None = field(default=None, validator=_positive_or_none)
     created_at_ms: int
     updated_at_ms: int
 

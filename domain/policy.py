@@ -66,9 +66,12 @@ def _check_max_attempts(_instance: object, _attribute: object, value: int) -> No
 
 @frozen(kw_only=True)
 class RetryPolicy:
-    """Snapshotted on the Run at admission and never inferred later."""
+    """Snapshotted on the Run at admission and never inferred later. ``retry_on_lost`` retries
+    an Attempt that was lost, ``retry_on_error`` one whose task failed (raised or timed out);
+    both only for ``idempotent`` or ``deduplicated`` work."""
 
     retry_on_lost: bool = False
+    retry_on_error: bool = False
     max_attempts: int = field(default=1, validator=_check_max_attempts)
     safety: Safety | None = None
     backoff: Backoff = field(factory=Backoff)
@@ -76,7 +79,9 @@ class RetryPolicy:
 
 # --- the policy as a JSON document (templates of triggers and workflow steps) --------------------
 
-_POLICY_KEYS = frozenset({"retry_on_lost", "max_attempts", "safety", "backoff"})
+_POLICY_KEYS = frozenset(
+    {"retry_on_lost", "retry_on_error", "max_attempts", "safety", "backoff"}
+)
 _BACKOFF_KEYS = frozenset({"initial_ms", "multiplier", "cap_ms", "jitter"})
 
 
@@ -84,6 +89,7 @@ def policy_to_document(policy: RetryPolicy) -> dict[str, object]:
     """The policy as plain JSON values; :func:`policy_from_document` reads it back."""
     return {
         "retry_on_lost": policy.retry_on_lost,
+        "retry_on_error": policy.retry_on_error,
         "max_attempts": policy.max_attempts,
         "safety": policy.safety.value if policy.safety is not None else None,
         "backoff": {
@@ -123,6 +129,9 @@ def policy_from_document(document: object) -> RetryPolicy | None:
     retry_on_lost = document.get("retry_on_lost", False)
     if not isinstance(retry_on_lost, bool):
         raise InvalidRetryPolicy("retry_on_lost must be true or false")
+    retry_on_error = document.get("retry_on_error", False)
+    if not isinstance(retry_on_error, bool):
+        raise InvalidRetryPolicy("retry_on_error must be true or false")
     max_attempts = _integer(document.get("max_attempts", 1), "max_attempts")
     safety_value = document.get("safety")
     safety: Safety | None = None
@@ -149,5 +158,9 @@ def policy_from_document(document: object) -> RetryPolicy | None:
         jitter=_real(backoff_document.get("jitter", default.jitter), "jitter"),
     )
     return RetryPolicy(
-        retry_on_lost=retry_on_lost, max_attempts=max_attempts, safety=safety, backoff=backoff
+        retry_on_lost=retry_on_lost,
+        retry_on_error=retry_on_error,
+        max_attempts=max_attempts,
+        safety=safety,
+        backoff=backoff,
     )

@@ -21,6 +21,9 @@ from domain.errors import (
 from domain.events import EventType, RunEvent
 from domain.fence import LeaseFence, check_fence
 from domain.model import (
+    MAX_PRIORITY,
+    MAX_UNIQUE_KEY_LENGTH,
+    MIN_PRIORITY,
     Attempt,
     AttemptStatus,
     DispatchLease,
@@ -141,9 +144,13 @@ def admit(
     now_ms: int,
     owner: RunOwner = RunOwner.RUNTIME,
     parent_run_id: str | None = None,
+    priority: int = 0,
+    unique_key: str | None = None,
+    timeout_ms: int | None = None,
 ) -> Change:
     """Admit a Run. With an attempt id it is ``queued`` with a pristine Attempt 1; without one
-    it stays ``created`` (an Attempt is made later, by the frontier or by startup recovery)."""
+    it stays ``created`` (an Attempt is made later, by the frontier or by startup recovery).
+    Priority, unique key and timeout are snapshotted on the Run (ADRs 0013 to 0015)."""
     if not task or len(task) > MAX_TASK_NAME_LENGTH or task.strip() != task or "\x00" in task:
         raise InvalidAdmission(
             f"task name must be 1..{MAX_TASK_NAME_LENGTH} characters, without padding or NUL"
@@ -154,6 +161,16 @@ def admit(
         raise InvalidAdmission("the input must not hold a NUL character")
     if policy is not None and not isinstance(policy, RetryPolicy):
         raise InvalidAdmission("policy must be a RetryPolicy")
+    if isinstance(priority, bool) or not MIN_PRIORITY <= priority <= MAX_PRIORITY:
+        raise InvalidAdmission(f"priority must be an integer within {MIN_PRIORITY}..{MAX_PRIORITY}")
+    if unique_key is not None and (
+        not unique_key or len(unique_key) > MAX_UNIQUE_KEY_LENGTH or "\x00" in unique_key
+    ):
+        raise InvalidAdmission(
+            f"a unique key must be 1..{MAX_UNIQUE_KEY_LENGTH} characters, without NUL"
+        )
+    if timeout_ms is not None and (isinstance(timeout_ms, bool) or timeout_ms < 1):
+        raise InvalidAdmission("a timeout must be a positive number of milliseconds")
     attempts: tuple[Attempt, ...] = ()
     status = RunStatus.CREATED
     if attempt_id is not None:
@@ -168,6 +185,9 @@ def admit(
         policy=policy,
         attempt_count=len(attempts),
         parent_run_id=parent_run_id,
+        priority=priority,
+        unique_key=unique_key,
+        timeout_ms=timeout_ms,
         created_at_ms=now_ms,
         updated_at_ms=now_ms,
     )

@@ -51,6 +51,7 @@ def policy_values(policy: RetryPolicy | None) -> Values:
         return {
             "has_policy": False,
             "retry_on_lost": None,
+            "retry_on_error": None,
             "max_attempts": None,
             "safety": None,
             "backoff_initial_ms": None,
@@ -61,6 +62,7 @@ def policy_values(policy: RetryPolicy | None) -> Values:
     return {
         "has_policy": True,
         "retry_on_lost": policy.retry_on_lost,
+        "retry_on_error": policy.retry_on_error,
         "max_attempts": policy.max_attempts,
         "safety": policy.safety.value if policy.safety is not None else None,
         "backoff_initial_ms": policy.backoff.initial_ms,
@@ -76,6 +78,7 @@ def policy_from_row(row: Row, prefix: str = "") -> RetryPolicy | None:
     safety = _field(row, prefix, "safety")
     return RetryPolicy(
         retry_on_lost=bool(_field(row, prefix, "retry_on_lost")),
+        retry_on_error=bool(_field(row, prefix, "retry_on_error")),
         max_attempts=int(_field(row, prefix, "max_attempts")),
         safety=Safety(safety) if safety is not None else None,
         backoff=Backoff(
@@ -104,6 +107,9 @@ def run_values(run: Run) -> Values:
         "updated_at": run.updated_at_ms,
         "quarantined_at": run.quarantine.since_ms if run.quarantine else None,
         "quarantine_reason": run.quarantine.reason if run.quarantine else None,
+        "priority": run.priority,
+        "unique_key": run.unique_key,
+        "timeout_ms": run.timeout_ms,
     }
 
 
@@ -128,6 +134,9 @@ def run_from_row(row: Row, prefix: str = "") -> Run:
         error=_field(row, prefix, "error"),
         parent_run_id=_field(row, prefix, "parent_run_id"),
         quarantine=quarantine_from_row(row, prefix),
+        priority=int(_field(row, prefix, "priority")),
+        unique_key=_field(row, prefix, "unique_key"),
+        timeout_ms=_optional_int(_field(row, prefix, "timeout_ms")),
         created_at_ms=int(_field(row, prefix, "created_at")),
         updated_at_ms=int(_field(row, prefix, "updated_at")),
     )

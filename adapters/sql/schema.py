@@ -49,6 +49,8 @@ from sqlalchemy.types import TypeDecorator, TypeEngine
 from domain.credentials import CredentialEventType
 from domain.events import EventType
 from domain.model import (
+    MAX_PRIORITY,
+    MIN_PRIORITY,
     AttemptStatus,
     CredentialStatus,
     EvidenceKind,
@@ -212,6 +214,13 @@ runs = Table(
     # An operator's quarantine (ADR 0010): set together, cleared together.
     Column("quarantined_at", EpochMillis(), nullable=True),
     Column("quarantine_reason", Text(), nullable=True),
+    # ADR 0013: retries on a task's error, the execution timeout; ADR 0014: the priority;
+    # ADR 0015: the unique key. NULL ``retry_on_error`` (a Run admitted before the column) is
+    # false.
+    Column("retry_on_error", Boolean(), nullable=True),
+    Column("timeout_ms", BigInteger(), nullable=True),
+    Column("priority", Integer(), nullable=False, server_default=text("0")),
+    Column("unique_key", Text(), nullable=True),
     PrimaryKeyConstraint("id", name="pk_runs"),
     CheckConstraint(_one_of("owner", _enum_values(RunOwner)), name="owner"),
     CheckConstraint(_one_of("status", _enum_values(RunStatus)), name="status"),
@@ -229,6 +238,10 @@ runs = Table(
         name="policy_iff_has_policy",
     ),
     CheckConstraint("task <> ''", name="task_not_empty"),
+    CheckConstraint("timeout_ms IS NULL OR timeout_ms >= 1", name="timeout_ms"),
+    CheckConstraint(
+        f"priority BETWEEN {MIN_PRIORITY} AND {MAX_PRIORITY}", name="priority"
+    ),
 )
 
 Index(
@@ -472,6 +485,19 @@ dispatch_gate = Table(
 
 # --- scheduler nodes ----------------------------------------------------------------------------
 #
+# A task's limit on the Attempts running at once across the cluster (ADR 0014). A claim locks the
+# rows of the limited tasks it would claim before it counts their leases; a task without a row
+# has no limit.
+task_limits = Table(
+    "task_limits",
+    metadata,
+    Column("task", Text(), nullable=False),
+    Column("max_running", Integer(), nullable=False),
+    Column("updated_at", EpochMillis(), nullable=False),
+    PrimaryKeyConstraint("task", name="pk_task_limits"),
+    CheckConstraint("max_running >= 0", name="max_running"),
+)
+
 # One row per node id: when its last cycle ended and how (ADR 0010), written by the node after a
 # cycle at most every few seconds (and whenever the outcome changes), never by the cycle itself.
 

@@ -108,8 +108,8 @@ __all__ = ["SCHEMA_VERSION", "SchemaMismatch", "SqliteStore", "SqliteUnitOfWork"
 
 # PRAGMA user_version of a database this store created; another value is refused, but for
 # UPGRADABLE_VERSION, which is upgraded in place.
-SCHEMA_VERSION = 3
-UPGRADABLE_VERSIONS = (1, 2)
+SCHEMA_VERSION = 4
+UPGRADABLE_VERSIONS = (1, 2, 3)
 MEMORY = ":memory:"
 BEGIN_OPTION = "ql3_sqlite_begin"
 
@@ -439,7 +439,9 @@ class SqliteStore:
             else:
                 if version == 1:
                     upgrade_from_version_1(connection)
-                upgrade_from_version_2(connection)
+                if version <= 2:
+                    upgrade_from_version_2(connection)
+                upgrade_from_version_3(connection)
             connection.exec_driver_sql(f"PRAGMA user_version = {SCHEMA_VERSION}")
             connection.commit()
 
@@ -645,6 +647,8 @@ _REBUILT_IN_VERSION_2 = ("run_dispatch_leases", "run_events")
 # Version 3 (ADR 0010): new columns on these, and the quarantine event types.
 _WIDENED_IN_VERSION_3 = ("runs", "dispatch_gate")
 _REBUILT_IN_VERSION_3 = ("run_events",)
+# Version 4 (ADRs 0013 to 0015): the job columns of runs.
+_WIDENED_IN_VERSION_4 = ("runs",)
 
 
 def _rebuild(connection: Connection, names: Sequence[str], version: int) -> None:
@@ -691,6 +695,9 @@ def _add_missing_columns(connection: Connection, names: Sequence[str]) -> None:
         for column in table.columns:
             if column.name not in present:
                 kind = column.type.compile(dialect=connection.dialect)
+                default = column.server_default
+                if default is not None and not column.nullable:
+                    kind += f" NOT NULL DEFAULT {default.arg.text}"  # type: ignore[attr-defined]
                 connection.exec_driver_sql(f"ALTER TABLE {name} ADD COLUMN {column.name} {kind}")
 
 
@@ -702,6 +709,14 @@ def upgrade_from_version_2(connection: Connection) -> None:
     _add_missing_columns(connection, _WIDENED_IN_VERSION_3)
     _rebuild(connection, _REBUILT_IN_VERSION_3, 2)
     metadata.create_all(connection)  # the tables that are missing: the scheduler nodes
+    _create_missing_indexes(connection)
+
+
+def upgrade_from_version_3(connection: Connection) -> None:
+    """Version 3 to 4, inside the caller's write transaction: the job columns of ``runs``
+    (added in place), ``task_limits`` and the indexes that are missing."""
+    _add_missing_columns(connection, _WIDENED_IN_VERSION_4)
+    metadata.create_all(connection)
     _create_missing_indexes(connection)
 
 
