@@ -58,6 +58,7 @@ from sqlalchemy.sql import Executable
 
 from adapters.batches import OneAtATime
 from adapters.sql import operations, rows, statements
+from adapters.sql.history import SqlHistoryRepository
 from adapters.sql.repositories import (
     SqlEvidenceRepository,
     SqlGateRepository,
@@ -79,6 +80,7 @@ from application.ports import (
     DispatchGateRepository,
     DueTrigger,
     EvidenceRepository,
+    HistoryRepository,
     NodeCycle,
     OperationsView,
     Page,
@@ -156,6 +158,9 @@ class SqliteUnitOfWork(ConnectionTransaction):
         self.triggers: TriggerRepository = SqliteTriggerRepository(self)
         self.workflows: WorkflowRepository = SqlWorkflowRepository(self)
         self.gate: DispatchGateRepository = SqlGateRepository(self)
+        self.history: HistoryRepository = SqlHistoryRepository(
+            self, queries.SQLITE, skip_locked=False
+        )
 
     def __enter__(self) -> SqliteUnitOfWork:
         if self._connection is not None:
@@ -418,11 +423,16 @@ class SqliteStore:
         """Create the tables when the database is new; refuse another schema's database."""
         with self._transaction(read_only=True) as connection:
             version = int(connection.exec_driver_sql("PRAGMA user_version").scalar_one())
-        if version == SCHEMA_VERSION:
+            complete = version == SCHEMA_VERSION and not _missing_prune_indexes(connection)
+        if complete:
             return
         # Take the write lock, then look again: another process may be creating it right now.
         with self._transaction() as connection:
             version = int(connection.exec_driver_sql("PRAGMA user_version").scalar_one())
+            if version == SCHEMA_VERSION:
+                upgrade_prune_indexes(connection)
+                connection.commit()
+                return
             if version not in (0, *UPGRADABLE_VERSIONS, SCHEMA_VERSION):
                 raise SchemaMismatch(
                     f"{self.path or MEMORY} has schema version {version}, this store needs "
@@ -703,6 +713,31 @@ def upgrade_from_version_2(connection: Connection) -> None:
     _rebuild(connection, _REBUILT_IN_VERSION_3, 2)
     metadata.create_all(connection)  # the tables that are missing: the scheduler nodes
     _create_missing_indexes(connection)
+
+
+# Indexes of a prune (ADR 0016), added to databases of this schema version without a version of
+# their own: nothing but their absence tells a database that lacks them.
+PRUNE_INDEXES = ("ix_runs_finished", "ix_run_dispatch_leases_attempt_id")
+
+
+def _missing_prune_indexes(connection: Connection) -> list[str]:
+    present = {
+        str(name)
+        for (name,) in connection.exec_driver_sql(
+            "SELECT name FROM sqlite_master WHERE type = 'index'"
+        ).fetchall()
+    }
+    return [name for name in PRUNE_INDEXES if name not in present]
+
+
+def upgrade_prune_indexes(connection: Connection) -> None:
+    """The indexes a prune reads (ADR 0016), created where missing, inside the caller's write
+    transaction: ``ix_runs_finished`` (its pick) and ``ix_run_dispatch_leases_attempt_id``
+    (deleting an Attempt looks its leases up by it)."""
+    for table in metadata.sorted_tables:
+        for index in table.indexes:
+            if index.name in PRUNE_INDEXES:
+                index.create(connection, checkfirst=True)
 
 
 def _clock(now_ms: int) -> ColumnElement[int]:
