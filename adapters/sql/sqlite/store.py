@@ -28,7 +28,8 @@ Schema
     ``PRAGMA user_version`` is :data:`SCHEMA_VERSION`. A database of version 1 (before the
     claim protocol of ADR 0007) is brought to version 2 when it is opened: the dispatch gate,
     the claim's candidate index, and the new release reason and event types; a database of
-    version 2 to version 3: the quarantine and the failing candidate (ADR 0010).
+    version 2 to version 3: the quarantine and the failing candidate (ADR 0010). A database of
+    version 3 that lacks the indexes of a prune (ADR 0016) gets them when it is opened.
 
 ``SqliteStore(None)`` (or ``":memory:"``) is a private in-memory database on one connection,
 whose transactions are serialised by a lock: for tests and throw-away containers.
