@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import ql3
-from application.history import InvalidBatchSize, InvalidDuration
+from ql3 import InvalidBatchSize, InvalidDuration, PruneReport
 from ql3.testing import in_memory
 from tests.api.tasks import TASKS, echo
 
@@ -29,6 +29,7 @@ def test_finished_runs_older_than_the_age_are_pruned_and_the_rest_stay() -> None
         assert len(rt.runs()) == 5
 
         report = rt.prune_finished(datetime.timedelta(hours=1), batch_size=2)
+        assert isinstance(report, PruneReport)
 
         assert (report.dry_run, report.removed.runs, report.batch_runs) == (False, 3, (2, 1))
         assert report.removed == dry.removed
