@@ -17,7 +17,7 @@ from application.admission import UnknownRun
 from application.budgets import InvalidPageSize
 from application.history import DEFAULT_BATCH_SIZE, MAX_BATCH_SIZE
 from application.lookups import UnknownAttempt
-from domain.errors import DomainError
+from domain.errors import ConcurrencyConflict, DomainError
 from domain.model import RunStatus
 from domain.policy import Backoff, RetryPolicy, Safety
 
@@ -302,9 +302,14 @@ def runs_prune(
     except InvalidDuration as error:
         _fail_usage(f"--finished-before: {error}")
     with _cluster(database_url) as container:
-        report = HistoryPruning(container.store().unit_of_work).prune(
-            older_than_ms, dry_run=dry_run, batch_size=batch_size
-        )
+        try:
+            report = HistoryPruning(container.store().unit_of_work).prune(
+                older_than_ms, dry_run=dry_run, batch_size=batch_size
+            )
+        except ConcurrencyConflict as error:
+            # Only a writer that does not lock the Run first can get here; the batches before
+            # this one are committed, and the next prune takes the rest.
+            raise Failure(f"a batch was refused and rolled back, run it again: {error}") from None
     removed = report.removed
 
     def text() -> None:
