@@ -14,17 +14,21 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from application.admission import Admission, AdmissionRequest, UnknownRun
+from application.history import (
+    DEFAULT_BATCH_SIZE,
+    HistoryPruning,
+    InvalidDuration,
+    PruneReport,
+    parse_duration,
+)
 from application.tasks import TaskRegistry, json_input
 from bootstrap.producer import Producer
 from domain.errors import InvalidAdmission
 from domain.model import JsonValue, Run, RunStatus
 from domain.policy import RetryPolicy
-
-if TYPE_CHECKING:
-    from application.history import PruneReport
 
 Task = str | Callable[..., Any]
 
@@ -227,15 +231,13 @@ class Runtime:
         older_than: str | datetime.timedelta,
         *,
         dry_run: bool = False,
-        batch_size: int = 500,
+        batch_size: int = DEFAULT_BATCH_SIZE,
     ) -> PruneReport:
         """Delete the finished runs (succeeded, failed, cancelled) whose last change is more
         than ``older_than`` (``"30d"``, ``"12h"``, ``"90m"``, ``"3600s"`` or a ``timedelta``)
         before the store's clock, with their attempts, leases, events and every row that
         references them, in transactions of at most ``batch_size`` runs (ADR 0016). With
         ``dry_run`` it counts them and deletes nothing. Returns what it removed."""
-        from application.history import HistoryPruning, InvalidDuration, parse_duration
-
         if isinstance(older_than, datetime.timedelta):
             older_than_ms = older_than // datetime.timedelta(milliseconds=1)
         elif isinstance(older_than, str):
