@@ -285,6 +285,90 @@ class WorkflowRepository(Protocol):
         """The step whose Run this is, if it is a workflow step's Run."""
 
 
+@dataclass(frozen=True, slots=True)
+class PruneMark:
+    """A position in the order a prune picks finished Runs: their last change, then their id."""
+
+    finished_at_ms: int
+    run_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class PrunableRun:
+    """A top-level finished Run a prune picked, with the step Runs pruned with it (a workflow
+    aggregate's; none for any other Run)."""
+
+    run_id: str
+    finished_at_ms: int
+    step_run_ids: tuple[str, ...] = ()
+
+    @property
+    def runs(self) -> int:
+        return 1 + len(self.step_run_ids)
+
+    @property
+    def mark(self) -> PruneMark:
+        return PruneMark(finished_at_ms=self.finished_at_ms, run_id=self.run_id)
+
+
+@dataclass(frozen=True, slots=True)
+class PrunedRows:
+    """How many rows of each kind a prune removed (or, in a dry run, would remove)."""
+
+    runs: int = 0
+    attempts: int = 0
+    leases: int = 0
+    events: int = 0
+    stop_reports: int = 0
+    trigger_firings: int = 0
+    workflow_steps: int = 0
+
+    def __add__(self, other: PrunedRows) -> PrunedRows:
+        return PrunedRows(
+            runs=self.runs + other.runs,
+            attempts=self.attempts + other.attempts,
+            leases=self.leases + other.leases,
+            events=self.events + other.events,
+            stop_reports=self.stop_reports + other.stop_reports,
+            trigger_firings=self.trigger_firings + other.trigger_firings,
+            workflow_steps=self.workflow_steps + other.workflow_steps,
+        )
+
+    def as_dict(self) -> dict[str, int]:
+        return {
+            "runs": self.runs,
+            "attempts": self.attempts,
+            "leases": self.leases,
+            "events": self.events,
+            "stop_reports": self.stop_reports,
+            "trigger_firings": self.trigger_firings,
+            "workflow_steps": self.workflow_steps,
+        }
+
+
+class HistoryRepository(Protocol):
+    """Finished history inside one transaction: what a prune picks, counts and deletes
+    (ADR 0016). Nothing here touches a Run that is not finished."""
+
+    def prunable(
+        self, finished_before_ms: int, limit: int, after: PruneMark | None = None
+    ) -> Sequence[PrunableRun]:
+        """Up to ``limit`` top-level Runs that :func:`domain.history.is_prunable` says a prune
+        with this cutoff deletes, oldest last change first (then by id), after ``after``; each
+        workflow aggregate with its step Runs. The Runs picked are locked for deletion; a Run
+        another transaction holds is skipped, never waited for (PostgreSQL: ``FOR UPDATE SKIP
+        LOCKED``). The pick reads an index of finished Runs, not the table."""
+
+    def count(self, picked: Sequence[PrunableRun]) -> PrunedRows:
+        """What :meth:`delete` would remove for these Runs; nothing is written."""
+
+    def delete(self, picked: Sequence[PrunableRun]) -> PrunedRows:
+        """Delete these Runs and their step Runs with every row that references them: stop
+        reports, events, leases, Attempts, trigger firings, workflow steps. Raises
+        ``ConcurrencyConflict`` when a row another writer added meanwhile still references one
+        of them; the unit of work must then be rolled back."""
+
+
 class UnitOfWork(Protocol):
     """One transaction. Rolls back unless :meth:`commit` was called."""
 
@@ -369,12 +453,13 @@ class DispatchGateRepository(Protocol):
 
 class SchedulerUnitOfWork(UnitOfWork, Protocol):
     """A transaction of a runtime store, with what the scheduler steps and the operators'
-    commands need besides Runs, sessions and evidence: triggers, workflow steps and the
-    dispatch gate."""
+    commands need besides Runs, sessions and evidence: triggers, workflow steps, the
+    dispatch gate and the finished history."""
 
     triggers: TriggerRepository
     workflows: WorkflowRepository
     gate: DispatchGateRepository
+    history: HistoryRepository
 
     def __enter__(self) -> SchedulerUnitOfWork: ...
 

@@ -1,5 +1,6 @@
 """QL3 runtime's Python API: declare tasks with their policy, build a profile's runtime from
-settings, submit (in the application's own transaction too), read, wait for and cancel runs.
+settings, submit (in the application's own transaction too), read, wait for and cancel runs,
+prune finished ones.
 
 Everything an application needs is importable from here; nothing is built at import time, and
 importing this package loads no web framework (ADR 0009). See ``docs/api.md``."""
@@ -10,6 +11,7 @@ from typing import Any
 
 from adapters.execution import TaskContext
 from application.admission import UnknownRun
+from application.history import InvalidBatchSize, InvalidDuration, PruneReport
 from application.tasks import InvalidInput, TaskDefinition, TaskRegistry, UnknownTask
 from domain.errors import DomainError, InvalidAdmission, InvalidRetryPolicy, InvalidTransition
 from domain.model import RunStatus
@@ -28,9 +30,12 @@ __all__ = [
     "ClusterRuntime",
     "DomainError",
     "InvalidAdmission",
+    "InvalidBatchSize",
+    "InvalidDuration",
     "InvalidInput",
     "InvalidRetryPolicy",
     "InvalidTransition",
+    "PruneReport",
     "RetryPolicy",
     "RunInfo",
     "RunStatus",

@@ -8,6 +8,7 @@ a web process that only submits never starts the runtime (ADR 0009)."""
 from __future__ import annotations
 
 import asyncio
+import datetime
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -16,6 +17,13 @@ from types import TracebackType
 from typing import Any
 
 from application.admission import Admission, AdmissionRequest, UnknownRun
+from application.history import (
+    DEFAULT_BATCH_SIZE,
+    HistoryPruning,
+    InvalidDuration,
+    PruneReport,
+    parse_duration,
+)
 from application.tasks import TaskRegistry, json_input
 from bootstrap.producer import Producer
 from domain.errors import InvalidAdmission
@@ -89,8 +97,8 @@ class Runtime:
 
     Producer side (any thread, before or after :meth:`start`): :meth:`submit`,
     :meth:`submit_many`, their ``a``-prefixed asyncio forms, :meth:`get`, :meth:`wait` /
-    :meth:`await_run`, :meth:`cancel`. Lifecycle: :meth:`start`, :meth:`stop`, :meth:`close`
-    (also as a context manager)."""
+    :meth:`await_run`, :meth:`cancel`; operators' :meth:`prune_finished`. Lifecycle:
+    :meth:`start`, :meth:`stop`, :meth:`close` (also as a context manager)."""
 
     profile: str
 
@@ -215,6 +223,29 @@ class Runtime:
 
     async def acancel(self, run_id: str, reason: str = "cancelled") -> None:
         await asyncio.to_thread(self.cancel, run_id, reason)
+
+    # --- finished history -------------------------------------------------------------------------
+
+    def prune_finished(
+        self,
+        older_than: str | datetime.timedelta,
+        *,
+        dry_run: bool = False,
+        batch_size: int = DEFAULT_BATCH_SIZE,
+    ) -> PruneReport:
+        """Delete the finished runs (succeeded, failed, cancelled) whose last change is more
+        than ``older_than`` (``"30d"``, ``"12h"``, ``"90m"``, ``"3600s"`` or a ``timedelta``)
+        before the store's clock, with their attempts, leases, events and every row that
+        references them, in transactions of at most ``batch_size`` runs (ADR 0016). With
+        ``dry_run`` it counts them and deletes nothing. Returns what it removed."""
+        if isinstance(older_than, datetime.timedelta):
+            older_than_ms = older_than // datetime.timedelta(milliseconds=1)
+        elif isinstance(older_than, str):
+            older_than_ms = parse_duration(older_than)
+        else:
+            raise InvalidDuration(f"an age is a duration text or a timedelta: {older_than!r}")
+        pruning = HistoryPruning(self._producer.store.unit_of_work, batch_size)
+        return pruning.prune(older_than_ms, dry_run=dry_run)
 
     # --- lifecycle --------------------------------------------------------------------------------
 

@@ -15,8 +15,15 @@ import click
 from adapters.cli import db_cmds, standalone_cmds
 from application.admission import UnknownRun
 from application.budgets import InvalidPageSize
+from application.history import (
+    DEFAULT_BATCH_SIZE,
+    MAX_BATCH_SIZE,
+    HistoryPruning,
+    InvalidDuration,
+    parse_duration,
+)
 from application.lookups import UnknownAttempt
-from domain.errors import DomainError
+from domain.errors import ConcurrencyConflict, DomainError
 from domain.model import RunStatus
 from domain.policy import Backoff, RetryPolicy, Safety
 
@@ -188,7 +195,7 @@ def submit(
 
 @cli.group()
 def runs() -> None:
-    """Inspect runs."""
+    """Inspect runs; prune finished ones."""
 
 
 @runs.command("list")
@@ -268,6 +275,58 @@ def runs_show(run_id: str, database_url: str | None, as_json: bool) -> None:
             click.echo(f"  event {seq:>6} {_iso(at)} {kind}")
 
     _emit(as_json, document, text)
+
+
+@runs.command("prune")
+@click.option(
+    "--finished-before",
+    "finished_before",
+    required=True,
+    metavar="DURATION",
+    help="Delete runs whose last change is older than this: 30d, 12h, 90m or 3600s.",
+)
+@click.option("--dry-run", is_flag=True, help="Count what would be deleted; delete nothing.")
+@click.option(
+    "--batch-size",
+    type=click.IntRange(1, MAX_BATCH_SIZE),
+    default=DEFAULT_BATCH_SIZE,
+    show_default=True,
+    help="Runs per transaction.",
+)
+@database_option
+@json_option
+def runs_prune(
+    finished_before: str, dry_run: bool, batch_size: int, database_url: str | None, as_json: bool
+) -> None:
+    """Delete finished runs (succeeded, failed, cancelled) whose last change is older than
+    DURATION, with their attempts, leases, events and every row that references them, in
+    short transactions of at most --batch-size runs (ADR 0016). Made for cron."""
+    try:
+        older_than_ms = parse_duration(finished_before)
+    except InvalidDuration as error:
+        _fail_usage(f"--finished-before: {error}")
+    with _cluster(database_url) as container:
+        try:
+            report = HistoryPruning(container.store().unit_of_work).prune(
+                older_than_ms, dry_run=dry_run, batch_size=batch_size
+            )
+        except ConcurrencyConflict as error:
+            # Only a writer that does not lock the Run first can get here; the batches before
+            # this one are committed, and the next prune takes the rest.
+            raise Failure(f"a batch was refused and rolled back, run it again: {error}") from None
+    removed = report.removed
+
+    def text() -> None:
+        verb = "would prune" if dry_run else "pruned"
+        click.echo(
+            f"{verb} {removed.runs} run(s) finished before {_iso(report.finished_before_ms)}"
+            f" in {report.batches} batch(es): {removed.attempts} attempt(s),"
+            f" {removed.leases} lease(s), {removed.events} event(s),"
+            f" {removed.stop_reports} stop report(s), {removed.trigger_firings} trigger"
+            f" firing(s), {removed.workflow_steps} workflow step(s)"
+        )
+
+    _emit(as_json, report.as_dict(), text)
 
 
 def _iso(ms: int) -> str:

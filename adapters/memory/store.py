@@ -26,6 +26,7 @@ from adapters.batches import OneAtATime
 from adapters.memory import scheduling
 from adapters.memory.clock import FakeClock
 from adapters.memory.credentials import MemoryCredentialRepository
+from adapters.memory.history import MemoryHistoryRepository
 from application.ports import (
     HARD_PAGE_CAP,
     OPEN_GATE,
@@ -36,6 +37,7 @@ from application.ports import (
     DueTrigger,
     EvidenceRepository,
     EvidenceWaits,
+    HistoryRepository,
     NodeCycle,
     OperationsView,
     Page,
@@ -272,6 +274,7 @@ class MemoryUnitOfWork:
         self.workflows: WorkflowRepository = scheduling.MemoryWorkflowRepository(self)
         self.gate: DispatchGateRepository = MemoryGateRepository(self)
         self.credentials: CredentialRepository = MemoryCredentialRepository(self)
+        self.history: HistoryRepository = MemoryHistoryRepository(self)
 
     def __enter__(self) -> MemoryUnitOfWork:
         if self._entered:

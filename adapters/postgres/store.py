@@ -46,6 +46,7 @@ from adapters.postgres.queries import (
 )
 from adapters.sql import operations, rows, statements
 from adapters.sql.credentials import SqlCredentialRepository
+from adapters.sql.history import SqlHistoryRepository
 from adapters.sql.repositories import (
     SqlEvidenceRepository,
     SqlGateRepository,
@@ -65,6 +66,7 @@ from application.ports import (
     DispatchGateRepository,
     DueTrigger,
     EvidenceRepository,
+    HistoryRepository,
     NodeCycle,
     OperationsView,
     Page,
@@ -139,6 +141,9 @@ class PostgresUnitOfWork(ConnectionTransaction):
         self.workflows: WorkflowRepository = SqlWorkflowRepository(self)
         self.gate: DispatchGateRepository = SqlGateRepository(self)
         self.credentials: CredentialRepository = SqlCredentialRepository(self)
+        self.history: HistoryRepository = SqlHistoryRepository(
+            self, queries.POSTGRES, skip_locked=True
+        )
         # What the last lock statement read besides the locked rows (the holder's session, the
         # Attempt's stop reports, the clock), served to the next reads until anything is written.
         self._seen_sessions: dict[str, WorkerSession | None] = {}

@@ -9,8 +9,10 @@ that the same ``MetaData`` compiles on other dialects.
 
 Indexes on ``runs``, ``run_attempts`` and ``run_dispatch_leases`` are partial on the non-terminal
 statuses, so that the cost of every candidate query follows the live work, not the finished
-history. ``run_dispatch_leases.expires_at`` is deliberately not indexed: a renewal changes only
-that column, and keeping it out of every index lets PostgreSQL renew with HOT updates.
+history; ``ix_runs_finished`` alone lists the finished Runs, for a prune to read its page of
+that history (ADR 0016). ``run_dispatch_leases.expires_at`` is deliberately not indexed: a
+renewal changes only that column, and keeping it out of every index lets PostgreSQL renew with
+HOT updates.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from domain.events import EventType
 from domain.model import (
     MAX_PRIORITY,
     MIN_PRIORITY,
+    TERMINAL_RUN_STATUSES,
     AttemptStatus,
     CredentialStatus,
     EvidenceKind,
@@ -295,6 +298,17 @@ Index(
     sqlite_where=text(_CLAIMABLE_RUN),
 )
 
+# A prune's pick (ADR 0016): the finished top-level Runs (no workflow step's), by their last
+# change; a workflow's step Runs are pruned with it, found through its steps.
+PRUNABLE_RUN = f"{_one_of('status', _names(TERMINAL_RUN_STATUSES))} AND parent_run_id IS NULL"
+Index(
+    "ix_runs_finished",
+    runs.c.updated_at,
+    runs.c.id,
+    postgresql_where=text(PRUNABLE_RUN),
+    sqlite_where=text(PRUNABLE_RUN),
+)
+
 _ACTIVE_ATTEMPT = _one_of("status", _names(NON_TERMINAL_ATTEMPT_STATUSES))
 
 run_attempts = Table(
@@ -390,6 +404,9 @@ Index(
     postgresql_where=text("status = 'leased'"),
     sqlite_where=text("status = 'leased'"),
 )
+# The foreign key to ``run_attempts``: deleting an Attempt (a prune, ADR 0016) looks its leases
+# up by it. Renewals leave it alone, so they stay HOT.
+Index("ix_run_dispatch_leases_attempt_id", run_dispatch_leases.c.attempt_id)
 
 run_events = Table(
     "run_events",

@@ -33,10 +33,11 @@ from hypothesis.stateful import (
     rule,
 )
 
-from application.admission import Admission, AdmissionRequest
+from application.admission import Admission, AdmissionRequest, UnknownRun
 from application.dispatch import DispatchGateStep
+from application.history import HistoryPruning
 from application.lost_retry import LostRetry
-from application.ports import DispatchGate, RuntimeStore
+from application.ports import DispatchGate, PrunedRows, RuntimeStore
 from application.recovery import RuntimeRecovery
 from application.scheduler import (
     ClusterSchedulerCoordinator,
@@ -436,6 +437,7 @@ def make_machine(
             self.gate = DispatchGate(open=True)
             self.tokens = 0
             self.previous: StoreView | None = None
+            self.pruned: set[str] = set()  # Runs a prune deleted (ADR 0016)
 
         # --- helpers ------------------------------------------------------------------------
 
@@ -1113,6 +1115,9 @@ def make_machine(
         def operator(self, run: str, action: str) -> None:
             """An operator attests the Run's Attempt stopped, or cancels the Run."""
             before = self.current()
+            if run in self.pruned:
+                self.operator_on_pruned(run, before)
+                return
             attempt = before.runs[run].attempts[-1]
             terminal = (attempt.status if action == "attest" else before.runs[run].run.status)
             if terminal.is_terminal:
@@ -1180,6 +1185,83 @@ def make_machine(
                 return
             report = self.startup.run()
             assert report.orphans_queued == 0  # admission never leaves created orphans
+
+        # --- pruning finished history (ADR 0016) ---------------------------------------------
+
+        @rule(
+            age=st.sampled_from([0, 0, 1_000, lease_ttl_ms, 10 * lease_ttl_ms]),
+            batch=st.integers(1, 3),
+            dry_run=st.booleans(),
+        )
+        def prune(self, age: int, batch: int, dry_run: bool) -> None:
+            """An operator prunes (or, dry, counts) finished history: exactly the finished Runs
+            last changed before the cutoff go, with every row of theirs, in batches of at most
+            ``batch`` Runs; nothing else changes. A late worker's fence of a pruned Attempt is
+            then refused as unknown, and changes nothing."""
+            before = self.current()
+            now = self.now()
+            report = HistoryPruning(self.store.unit_of_work).prune(  # type: ignore[arg-type]
+                age, dry_run=dry_run, batch_size=batch
+            )
+            later = self.now()
+            after = self.view()
+            cutoff = report.finished_before_ms
+            assert now - age <= cutoff <= later - age, (now, cutoff, later)
+            expected = sorted(
+                run_id
+                for run_id, rv in before.runs.items()
+                if rv.run.status.is_terminal and rv.run.updated_at_ms < cutoff
+            )
+            gone = [before.runs[run_id] for run_id in expected]
+            assert report.removed == PrunedRows(
+                runs=len(gone),
+                attempts=sum(len(rv.attempts) for rv in gone),
+                leases=sum(len(rv.leases) for rv in gone),
+                events=sum(len(rv.events) for rv in gone),
+                stop_reports=sum(len(before.reports[a.id]) for rv in gone for a in rv.attempts),
+            )
+            assert sum(report.batch_runs) == len(gone)
+            assert all(1 <= n <= batch for n in report.batch_runs)
+            _count(f"prune:{'dry' if dry_run else 'deleted'}:{min(len(gone), 3)}")
+            removed = set() if dry_run else set(expected)
+            assert after.runs.keys() == before.runs.keys() - removed
+            for run_id, rv in after.runs.items():
+                assert rv == before.runs[run_id], f"prune changed run {run_id}"
+            pruned_attempts = sorted(a.id for r in removed for a in before.runs[r].attempts)
+            with self.store.unit_of_work() as uow:
+                for attempt_id in pruned_attempts:
+                    assert uow.evidence.reports_for(attempt_id) == ()
+            self.pruned |= removed
+            self.late_fences_of_pruned(pruned_attempts, after)
+            for attempt_id in pruned_attempts:
+                self.fences.pop(attempt_id, None)
+            self.previous = None  # the invariants read the store afresh
+
+        def late_fences_of_pruned(self, attempt_ids: list[str], before: StoreView) -> None:
+            held = [self.fences[a][-1] for a in attempt_ids[:2] if a in self.fences]
+            callers = [s for s, v in before.sessions.items() if v.status is SessionStatus.ACTIVE]
+            if not held or not callers:
+                return
+            caller = callers[0]
+            done = [
+                Completion(fence=h.fence, succeeded=True, output={"ok": True}) for h in held
+            ]
+            answer = self.workers.complete_many(caller, self.secrets[caller], done)
+            assert [observed(r)[:2] for r in answer.results] == [
+                ("rejected", "unknown_attempt")
+            ] * len(held)
+            _count("prune:late_fence_refused")
+            self.expect_unchanged(before)
+
+        def operator_on_pruned(self, run: str, before: StoreView) -> None:
+            """An operator's command on a pruned Run finds no Run and changes nothing."""
+            try:
+                self.admission.cancel(run)
+            except UnknownRun:
+                _count("prune:operator_unknown_run")
+                self.expect_unchanged(before)
+                return
+            raise AssertionError(f"cancel of the pruned run {run} was taken")
 
         # --- invariants ---------------------------------------------------------------------
 

@@ -28,7 +28,8 @@ Schema
     ``PRAGMA user_version`` is :data:`SCHEMA_VERSION`. A database of version 1 (before the
     claim protocol of ADR 0007) is brought to version 2 when it is opened: the dispatch gate,
     the claim's candidate index, and the new release reason and event types; a database of
-    version 2 to version 3: the quarantine and the failing candidate (ADR 0010).
+    version 2 to version 3: the quarantine and the failing candidate (ADR 0010). A database of
+    version 3 that lacks the indexes of a prune (ADR 0016) gets them when it is opened.
 
 ``SqliteStore(None)`` (or ``":memory:"``) is a private in-memory database on one connection,
 whose transactions are serialised by a lock: for tests and throw-away containers.
@@ -58,6 +59,7 @@ from sqlalchemy.sql import Executable
 
 from adapters.batches import OneAtATime
 from adapters.sql import operations, rows, statements
+from adapters.sql.history import SqlHistoryRepository
 from adapters.sql.repositories import (
     SqlEvidenceRepository,
     SqlGateRepository,
@@ -79,6 +81,7 @@ from application.ports import (
     DispatchGateRepository,
     DueTrigger,
     EvidenceRepository,
+    HistoryRepository,
     NodeCycle,
     OperationsView,
     Page,
@@ -156,6 +159,9 @@ class SqliteUnitOfWork(ConnectionTransaction):
         self.triggers: TriggerRepository = SqliteTriggerRepository(self)
         self.workflows: WorkflowRepository = SqlWorkflowRepository(self)
         self.gate: DispatchGateRepository = SqlGateRepository(self)
+        self.history: HistoryRepository = SqlHistoryRepository(
+            self, queries.SQLITE, skip_locked=False
+        )
 
     def __enter__(self) -> SqliteUnitOfWork:
         if self._connection is not None:
@@ -423,6 +429,8 @@ class SqliteStore:
         # Take the write lock, then look again: another process may be creating it right now.
         with self._transaction() as connection:
             version = int(connection.exec_driver_sql("PRAGMA user_version").scalar_one())
+            if version == SCHEMA_VERSION:
+                return
             if version not in (0, *UPGRADABLE_VERSIONS, SCHEMA_VERSION):
                 raise SchemaMismatch(
                     f"{self.path or MEMORY} has schema version {version}, this store needs "
@@ -714,7 +722,8 @@ def upgrade_from_version_2(connection: Connection) -> None:
 
 def upgrade_from_version_3(connection: Connection) -> None:
     """Version 3 to 4, inside the caller's write transaction: the job columns of ``runs``
-    (added in place), ``task_limits`` and the indexes that are missing."""
+    (added in place), ``task_limits`` and the indexes that are missing (among them a prune's,
+    ADR 0016)."""
     _add_missing_columns(connection, _WIDENED_IN_VERSION_4)
     metadata.create_all(connection)
     _create_missing_indexes(connection)
