@@ -23,6 +23,7 @@ from domain.events import EventType, RunEvent
 from domain.fence import LeaseFence, check_fence
 from domain.model import (
     MAX_PRIORITY,
+    MAX_TIMEOUT_MS,
     MAX_UNIQUE_KEY_LENGTH,
     MIN_PRIORITY,
     Attempt,
@@ -39,7 +40,7 @@ from domain.model import (
     WorkerSession,
 )
 from domain.policy import RetryPolicy
-from domain.retry import RetryCause, decide_retry
+from domain.retry import RetryCause, decide_retry, timed_out_error
 from domain.states import CLAIMABLE_RUN_STATUSES, require_attempt_edge, require_run_edge
 
 MAX_TASK_NAME_LENGTH = 200
@@ -157,8 +158,10 @@ def admit(
         raise InvalidAdmission(
             f"a unique key must be 1..{MAX_UNIQUE_KEY_LENGTH} characters, without NUL"
         )
-    if timeout_ms is not None and (isinstance(timeout_ms, bool) or timeout_ms < 1):
-        raise InvalidAdmission("a timeout must be a positive number of milliseconds")
+    if timeout_ms is not None and (
+        isinstance(timeout_ms, bool) or not 1 <= timeout_ms <= MAX_TIMEOUT_MS
+    ):
+        raise InvalidAdmission(f"a timeout must be within 1..{MAX_TIMEOUT_MS} milliseconds")
     attempts: tuple[Attempt, ...] = ()
     status = RunStatus.CREATED
     if attempt_id is not None:
@@ -370,7 +373,8 @@ def complete(
     A failure (``timed_out``: the worker stopped the task at the Run's timeout) goes through
     the retry decision of :func:`domain.retry.decide_retry` (cause ``error`` or ``timeout``):
     the Attempt is ``failed`` either way, and the Run ``retry_wait`` until its next Attempt is
-    due, or ``failed`` (ADR 0013). One event, ``attempt_failed``, says which."""
+    due, or ``failed`` (ADR 0013). One event, ``attempt_failed``, says which. The error of a
+    timed-out Attempt names the Run's timeout ("timed out after 2.0 s")."""
     live = _fenced(run, attempt, lease, fence, now_ms)
     if not storable_text(output) or not storable_text(error):
         raise InvalidAdmission("an output or error must not hold a NUL character")
@@ -382,6 +386,8 @@ def complete(
         raise _refuse("run", run.id, run.status.value, "complete")
     released = _release(live, ReleaseReason.COMPLETED, now_ms)
     failure = None if succeeded else (error or "failed")
+    if timed_out and run.timeout_ms is not None:
+        failure = timed_out_error(run.timeout_ms)
     new_attempt = evolve(
         attempt,
         status=attempt_status,

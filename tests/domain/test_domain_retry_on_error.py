@@ -87,12 +87,14 @@ def test_the_last_attempt_fails_the_run_with_attempts_exhausted() -> None:
 
 
 def test_a_timeout_is_a_failure_of_cause_timeout_and_follows_retry_on_error() -> None:
-    error = timed_out_error(2_000)
-    assert error == "timed out after 2.0 s"
+    assert timed_out_error(2_000) == "timed out after 2.0 s"
     run, attempt, lease, fence = running(policy=ON_ERROR)
-    change = complete(run=run, attempt=attempt, lease=lease, fence=fence, succeeded=False,
-                      output=None, error=error, now_ms=NOW + 1, timed_out=True)
+    change = complete(run=evolve(run, timeout_ms=2_000), attempt=attempt, lease=lease,
+                      fence=fence, succeeded=False, output=None, error="stopped", now_ms=NOW + 1,
+                      timed_out=True)
     assert change.run.status is RunStatus.RETRY_WAIT
+    assert change.attempts[0].error == "timed out after 2.0 s"
+    assert change.event.data["error"] == "timed out after 2.0 s"
     assert change.event.data["cause"] == "timeout" and change.event.data["retry"] is True
     failed = _fail(None, timed_out=True)
     assert failed.run.status is RunStatus.FAILED
