@@ -11,7 +11,7 @@ from collections.abc import Mapping
 
 from attrs import evolve
 
-from domain.change import Change
+from domain.change import Change as Change  # every transition returns one: imported from here
 from domain.errors import (
     FenceReason,
     FenceRejected,

@@ -17,8 +17,7 @@ from application.admission import UnknownRun
 from application.budgets import InvalidPageSize
 from application.lookups import UnknownAttempt
 from domain.errors import DomainError
-from domain.model import RunStatus
-from domain.model import MAX_TIMEOUT_MS
+from domain.model import MAX_TIMEOUT_MS, RunStatus
 from domain.policy import Backoff, RetryPolicy, Safety
 
 

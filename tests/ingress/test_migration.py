@@ -119,7 +119,9 @@ def test_every_transition_the_functions_take_is_an_edge_of_the_domain() -> None:
             )
 
 
-def test_the_outcomes_revision_edits_the_claim_revisions_function(pg_server: PostgresServer) -> None:
+def test_the_outcomes_revision_edits_the_claim_revisions_function(
+    pg_server: PostgresServer,
+) -> None:
     name = random_name("ql3_migrate_")
     url = create_database(pg_server, name)
     engine = create_engine(url, poolclass=NullPool)
@@ -165,7 +167,8 @@ def test_the_outcomes_revisions_frozen_lists_are_the_domains() -> None:
     from tests.domain.builders import running
 
     keys: set[str] = set()
-    for policy in (None, RetryPolicy(retry_on_error=True, max_attempts=2, safety=Safety.IDEMPOTENT)):
+    retrying = RetryPolicy(retry_on_error=True, max_attempts=2, safety=Safety.IDEMPOTENT)
+    for policy in (None, retrying):
         run, attempt, lease, fence = running(policy=policy)
         change = complete(run=run, attempt=attempt, lease=lease, fence=fence, succeeded=False,
                           output=None, error="boom", now_ms=lease.granted_at_ms + 1)
