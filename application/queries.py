@@ -97,6 +97,7 @@ def _attempt_dict(view: AttemptView) -> dict[str, JsonValue]:
         "session_id": attempt.session_id,
         "started_at_ms": attempt.started_at_ms,
         "finished_at_ms": attempt.finished_at_ms,
+        "error": attempt.error,
         "lost_evidence": attempt.lost_evidence.value if attempt.lost_evidence else None,
         "awaiting_evidence_since_ms": view.awaiting_evidence_since_ms,
         "lease": None
