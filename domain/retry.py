@@ -82,8 +82,11 @@ def decide_retry(
 
 
 def timed_out_error(timeout_ms: int) -> str:
-    """The error of an Attempt stopped at its Run's timeout."""
-    return f"timed out after {timeout_ms / 1000:.1f} s"
+    """The error of an Attempt stopped at its Run's timeout: "timed out after 2.0 s" (tenths
+    of a second, or every digit the timeout has)."""
+    seconds = timeout_ms / 1000
+    shown = f"{seconds:.1f}" if timeout_ms % 100 == 0 else f"{seconds:g}"
+    return f"timed out after {shown} s"
 
 
 def is_lost_retry_candidate(run: Run) -> bool:

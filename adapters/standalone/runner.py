@@ -82,6 +82,7 @@ from application.worker_commands import (
     WorkerCommands,
 )
 from domain.errors import DomainError
+from domain.retry import timed_out_error
 
 Emit = Callable[[str], None]
 
@@ -457,8 +458,7 @@ class StandaloneRunner:
             elif outcome.succeeded:
                 self._emit(f"{label} succeeded")
             elif outcome.timed_out:
-                timeout_s = (execution.grant.timeout_ms or 0) / 1000
-                self._emit(f"{label} timed out after {timeout_s:.1f} s")
+                self._emit(f"{label} {timed_out_error(execution.grant.timeout_ms or 0)}")
             else:
                 self._emit(f"{label} failed: {outcome.error}")
         if outcomes and not self._stop_requested.is_set():

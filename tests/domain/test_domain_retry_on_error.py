@@ -139,3 +139,21 @@ def test_a_retried_run_is_claimed_again_with_the_next_lease_generation() -> None
                   session=session(), token_hash="0" * 64, ttl_ms=TTL, now_ms=due)
     assert again.lease is not None and again.lease.generation == lease.generation + 1
     assert again.run.status is RunStatus.RUNNING
+
+
+def test_the_timeout_error_names_the_timeout() -> None:
+    assert timed_out_error(2_500) == "timed out after 2.5 s"
+    assert timed_out_error(50) == "timed out after 0.05 s"
+    assert timed_out_error(1_234) == "timed out after 1.234 s"
+
+
+def test_a_timeout_is_bounded_at_admission() -> None:
+    from domain.model import MAX_TIMEOUT_MS
+    from domain.transitions import admit
+
+    run = admit(run_id="r", attempt_id="a", task="t", input=None, policy=None, now_ms=1,
+                timeout_ms=MAX_TIMEOUT_MS).run
+    assert run.timeout_ms == MAX_TIMEOUT_MS
+    with pytest.raises(InvalidAdmission):
+        admit(run_id="r", attempt_id="a", task="t", input=None, policy=None, now_ms=1,
+              timeout_ms=MAX_TIMEOUT_MS + 1)
