@@ -60,7 +60,9 @@ class PrometheusMetrics:
             registry=registry,
         )
         self._retries = Counter(
-            "ql3_retries_scheduled", "Lost runs this process put in retry_wait.", registry=registry
+            "ql3_retries_scheduled",
+            "Runs this process put in retry_wait: lost, or failed and retried on error.",
+            registry=registry,
         )
         self._failed = Counter(
             "ql3_runs_failed",
@@ -115,7 +117,10 @@ class PrometheusMetrics:
                 self._completions.labels(outcome="succeeded").inc()
             elif kind is EventType.ATTEMPT_FAILED:
                 self._completions.labels(outcome="failed").inc()
-                self._failed.labels(reason=TASK_FAILED).inc()
+                if event.data.get("retry"):  # retried on error (ADR 0013): not a failed run
+                    self._retries.inc()
+                else:
+                    self._failed.labels(reason=TASK_FAILED).inc()
             elif kind is EventType.ATTEMPT_RELEASED:
                 self._released.inc()
 

@@ -36,8 +36,17 @@ class Admission:
         self._uow_factory = uow_factory
         self._identities = identities
 
-    def submit(self, task: str, input: JsonValue = None, policy: RetryPolicy | None = None) -> str:
-        return self.submit_many([AdmissionRequest(task=task, input=input, policy=policy)])[0]
+    def submit(
+        self,
+        task: str,
+        input: JsonValue = None,
+        policy: RetryPolicy | None = None,
+        *,
+        timeout_ms: int | None = None,
+    ) -> str:
+        return self.submit_many(
+            [AdmissionRequest(task=task, input=input, policy=policy, timeout_ms=timeout_ms)]
+        )[0]
 
     def submit_many(self, requests: Sequence[AdmissionRequest]) -> list[str]:
         """Admit a batch in one transaction: all or none."""

@@ -1,5 +1,6 @@
-"""Lost retry (ADR 0002, decision 3): settle ``lost`` Runs with the domain's pure builder, and
-turn due ``retry_wait`` Runs into a fresh Attempt N+1."""
+"""Lost retry (ADR 0002, decision 3): settle ``lost`` Runs with the domain's retry decision, and
+turn due ``retry_wait`` Runs (lost, or failed and retried on error, ADR 0013) into a fresh
+Attempt N+1."""
 
 from __future__ import annotations
 

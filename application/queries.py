@@ -47,6 +47,7 @@ class RunView:
             "parent_run_id": run.parent_run_id,
             "attempt_count": run.attempt_count,
             "next_attempt_at_ms": run.next_attempt_at_ms,
+            "timeout_ms": run.timeout_ms,
             "created_at_ms": run.created_at_ms,
             "updated_at_ms": run.updated_at_ms,
             "quarantine": None
@@ -96,6 +97,7 @@ def _attempt_dict(view: AttemptView) -> dict[str, JsonValue]:
         "session_id": attempt.session_id,
         "started_at_ms": attempt.started_at_ms,
         "finished_at_ms": attempt.finished_at_ms,
+        "error": attempt.error,
         "lost_evidence": attempt.lost_evidence.value if attempt.lost_evidence else None,
         "awaiting_evidence_since_ms": view.awaiting_evidence_since_ms,
         "lease": None

@@ -2,9 +2,10 @@
 
 A :class:`TaskRegistry` is a mapping of task names to callables, so every executor that takes
 today's ``MODULE:ATTR`` mapping takes a registry too. Each task may carry a policy template
-(safety, retry on lost, maximum attempts, backoff); :meth:`TaskRegistry.request` snapshots it into
-the admission request, and a submit may give a policy of its own instead. What is admitted is the
-snapshot, as for any Run (ADR 0009)."""
+(safety, retry on lost, retry on error, maximum attempts, backoff) and an execution timeout;
+:meth:`TaskRegistry.request` snapshots them into the admission request, and a submit may give a
+policy or a timeout of its own instead. What is admitted is the snapshot, as for any Run
+(ADRs 0009 and 0013)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from typing import Any, TypeVar
 
 from application.admission import AdmissionRequest
 from domain.errors import InvalidAdmission
-from domain.model import JsonValue
+from domain.model import MAX_TIMEOUT_MS, JsonValue
 from domain.policy import Backoff, RetryPolicy, Safety
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -31,11 +32,13 @@ class InvalidInput(InvalidAdmission):
 
 @dataclass(frozen=True, slots=True)
 class TaskDefinition:
-    """A declared task: its name, its code and the policy each admission snapshots."""
+    """A declared task: its name, its code, and the policy and timeout each admission
+    snapshots."""
 
     name: str
     fn: Callable[..., Any]
     policy: RetryPolicy | None
+    timeout_ms: int | None = None
 
 
 def json_input(value: object) -> JsonValue:
@@ -48,16 +51,39 @@ def json_input(value: object) -> JsonValue:
     return value  # type: ignore[return-value]  # checked just above
 
 
+def timeout_millis(timeout: float | None) -> int | None:
+    """An execution timeout given in seconds, as the Run stores it (milliseconds); None: no
+    timeout."""
+    if timeout is None:
+        return None
+    if (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, int | float)
+        or not 0 < timeout <= MAX_TIMEOUT_MS / 1000
+    ):
+        raise InvalidAdmission(
+            f"a timeout is a number of seconds within 0.001..{MAX_TIMEOUT_MS // 1000}"
+        )
+    return max(1, round(timeout * 1000))
+
+
 def policy_template(
     *,
     safety: Safety | str | None = None,
     retry_on_lost: bool = False,
+    retry_on_error: bool = False,
     max_attempts: int = 1,
     backoff: Backoff | None = None,
 ) -> RetryPolicy | None:
     """The policy of a task declaration; None (no policy: never retried) when nothing is
     declared."""
-    declared = safety is not None or retry_on_lost or max_attempts != 1 or backoff is not None
+    declared = (
+        safety is not None
+        or retry_on_lost
+        or retry_on_error
+        or max_attempts != 1
+        or backoff is not None
+    )
     if not declared:
         return None
     try:
@@ -67,6 +93,7 @@ def policy_template(
         raise InvalidAdmission(f"safety must be one of {choices}") from None
     return RetryPolicy(
         retry_on_lost=retry_on_lost,
+        retry_on_error=retry_on_error,
         max_attempts=max_attempts,
         safety=chosen,
         backoff=backoff if backoff is not None else Backoff(),
@@ -80,7 +107,7 @@ class TaskRegistry(Mapping[str, Callable[..., Any]]):
 
         tasks = TaskRegistry()
 
-        @tasks.task(safety="idempotent", retry_on_lost=True, max_attempts=3)
+        @tasks.task(safety="idempotent", retry_on_error=True, max_attempts=3, timeout=30)
         def resize(payload): ...
 
     The decorated function is returned unchanged."""
@@ -99,28 +126,47 @@ class TaskRegistry(Mapping[str, Callable[..., Any]]):
         name: str | None = None,
         safety: Safety | str | None = None,
         retry_on_lost: bool = False,
+        retry_on_error: bool = False,
         max_attempts: int = 1,
         backoff: Backoff | None = None,
         policy: RetryPolicy | None = None,
+        timeout: float | None = None,
     ) -> Any:
         """Declare a task (its name defaults to the function's). Give the template either as
-        ``policy=`` or as its parts; a task declared with neither is admitted without a policy."""
+        ``policy=`` or as its parts; a task declared with neither is admitted without a policy.
+        ``retry_on_error`` retries an attempt whose task raised or timed out (only for
+        ``idempotent`` or ``deduplicated`` tasks); ``timeout`` is the seconds an attempt may
+        run before its worker stops it as a failure."""
         if policy is not None and (
-            safety is not None or retry_on_lost or max_attempts != 1 or backoff is not None
+            safety is not None
+            or retry_on_lost
+            or retry_on_error
+            or max_attempts != 1
+            or backoff is not None
         ):
             raise InvalidAdmission("give a task's policy either as policy= or as its parts")
         template = policy or policy_template(
-            safety=safety, retry_on_lost=retry_on_lost, max_attempts=max_attempts, backoff=backoff
+            safety=safety,
+            retry_on_lost=retry_on_lost,
+            retry_on_error=retry_on_error,
+            max_attempts=max_attempts,
+            backoff=backoff,
         )
+        timeout_ms = timeout_millis(timeout)
 
         def declare(function: F) -> F:
-            self.add(function, name=name, policy=template)
+            self.add(function, name=name, policy=template, timeout_ms=timeout_ms)
             return function
 
         return declare(fn) if fn is not None else declare
 
     def add(
-        self, fn: Callable[..., Any], *, name: str | None = None, policy: RetryPolicy | None = None
+        self,
+        fn: Callable[..., Any],
+        *,
+        name: str | None = None,
+        policy: RetryPolicy | None = None,
+        timeout_ms: int | None = None,
     ) -> TaskDefinition:
         """Declare ``fn`` without the decorator."""
         if not callable(fn):
@@ -130,7 +176,7 @@ class TaskRegistry(Mapping[str, Callable[..., Any]]):
             raise InvalidAdmission(f"a task needs a name without padding, got {task_name!r}")
         if task_name in self._definitions:
             raise InvalidAdmission(f"task {task_name!r} is declared twice")
-        definition = TaskDefinition(name=task_name, fn=fn, policy=policy)
+        definition = TaskDefinition(name=task_name, fn=fn, policy=policy, timeout_ms=timeout_ms)
         self._definitions[task_name] = definition
         self._names.setdefault(id(fn), task_name)
         return definition
@@ -156,14 +202,16 @@ class TaskRegistry(Mapping[str, Callable[..., Any]]):
         input: object = None,
         *,
         policy: RetryPolicy | None = None,
+        timeout_ms: int | None = None,
     ) -> AdmissionRequest:
-        """What to admit: the task's name, its input checked as JSON, and the given policy or
-        else the task's template (the snapshot that counts)."""
+        """What to admit: the task's name, its input checked as JSON, and the given policy and
+        timeout or else the task's (the snapshot that counts)."""
         definition = self.definition(task)
         return AdmissionRequest(
             task=definition.name,
             input=json_input(input),
             policy=policy if policy is not None else definition.policy,
+            timeout_ms=timeout_ms if timeout_ms is not None else definition.timeout_ms,
         )
 
     def _known(self) -> str:

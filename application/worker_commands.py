@@ -88,6 +88,7 @@ class Grant:
     token: str
     expires_at_ms: int
     idempotency_key: str
+    timeout_ms: int | None = None  # the Run's execution timeout: the worker stops it past this
 
     @property
     def fence(self) -> LeaseFence:
@@ -183,10 +184,14 @@ class BatchAnswer:
 
 @dataclass(frozen=True, slots=True)
 class Completion:
+    """A task's outcome; ``timed_out``: a failure because the worker stopped the task at its
+    Run's timeout."""
+
     fence: LeaseFence
     succeeded: bool
     output: JsonValue = None
     error: str | None = None
+    timed_out: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -529,6 +534,7 @@ class WorkerCommands:
                     token=token,
                     expires_at_ms=lease.expires_at_ms,
                     idempotency_key=snapshot.run.id,
+                    timeout_ms=snapshot.run.timeout_ms,
                 )
             )
         if not grants:
@@ -652,6 +658,7 @@ class WorkerCommands:
                 output=done.output,
                 error=done.error,
                 now_ms=it.now_ms,
+                timed_out=done.timed_out,
             )
         except FenceRejected:
             if self._already_completed(it.snapshot, it.fence, done.succeeded):

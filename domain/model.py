@@ -136,6 +136,7 @@ def _bounded_priority(_instance: object, _attribute: object, value: int) -> None
 MIN_PRIORITY = -1_000_000
 MAX_PRIORITY = 1_000_000
 MAX_UNIQUE_KEY_LENGTH = 400
+MAX_TIMEOUT_MS = 30 * 24 * 3_600_000  # an execution timeout of at most 30 days (ADR 0013)
 
 
 @frozen(kw_only=True)

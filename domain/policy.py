@@ -76,6 +76,15 @@ class RetryPolicy:
     safety: Safety | None = None
     backoff: Backoff = field(factory=Backoff)
 
+    def __attrs_post_init__(self) -> None:
+        # An unsafe task is never executed twice: a task error is no evidence that its side
+        # effects did not happen, so retrying it on error is refused at admission (ADR 0013).
+        if self.retry_on_error and self.safety not in RETRYABLE_SAFETY:
+            raise InvalidRetryPolicy(
+                "retry on error needs safety idempotent or deduplicated, got "
+                + (self.safety.value if self.safety is not None else "no safety")
+            )
+
 
 # --- the policy as a JSON document (templates of triggers and workflow steps) --------------------
 

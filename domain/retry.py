@@ -1,4 +1,6 @@
-"""The lost-retry builder: a pure, profile-neutral decision for a Run whose Attempt was lost."""
+"""Retry: one pure, profile-neutral decision for an Attempt that ended without success (lost,
+failed by its task, or stopped at its timeout), the settling of a ``lost`` Run, and the fresh
+Attempt N+1 when a ``retry_wait`` Run is due (ADRs 0002 and 0013)."""
 
 from __future__ import annotations
 
@@ -6,19 +8,28 @@ import enum
 
 from attrs import evolve, frozen
 
+from domain.change import Change
 from domain.errors import InvalidTransition, NotDue
 from domain.events import EventType, RunEvent
 from domain.model import Attempt, AttemptStatus, Run, RunOwner, RunStatus
 from domain.policy import RETRYABLE_SAFETY, RetryPolicy, Safety
 from domain.states import require_run_edge
-from domain.transitions import Change
 
 
-class LostFailureReason(enum.Enum):
-    """Why a lost Run was failed instead of retried, in the order the rules are checked."""
+class RetryCause(enum.Enum):
+    """How an Attempt ended without success."""
+
+    LOST = "lost"  # its lease authority was lost (recovery, or the worker's abandon report)
+    ERROR = "error"  # its task failed (raised, or its slot died)
+    TIMEOUT = "timeout"  # its task ran past the Run's timeout and was stopped
+
+
+class FailureReason(enum.Enum):
+    """Why a Run was failed instead of retried, in the order the rules are checked."""
 
     NO_POLICY = "no_policy"
     RETRY_ON_LOST_DISABLED = "retry_on_lost_disabled"
+    RETRY_ON_ERROR_DISABLED = "retry_on_error_disabled"
     MAX_ATTEMPTS_TOO_LOW = "max_attempts_too_low"
     SAFETY_UNDECLARED = "safety_undeclared"
     UNSAFE = "unsafe"
@@ -26,8 +37,8 @@ class LostFailureReason(enum.Enum):
 
 
 @frozen(kw_only=True)
-class LostRetryDecision:
-    failure: LostFailureReason | None
+class RetryDecision:
+    failure: FailureReason | None
     next_attempt_at_ms: int | None
 
     @property
@@ -35,28 +46,47 @@ class LostRetryDecision:
         return self.failure is None
 
 
-def decide_lost_retry(
-    *, run_id: str, policy: RetryPolicy | None, lost_attempt_number: int, now_ms: int
-) -> LostRetryDecision:
-    """Ordered rules: no policy, retry disabled, max attempts too low, safety undeclared or
-    unsafe, attempts exhausted -> fail; only idempotent|deduplicated with attempts left retry."""
-    failure: LostFailureReason | None = None
+def retry_enabled(policy: RetryPolicy, cause: RetryCause) -> bool:
+    """Whether the policy asks for a retry of an Attempt that ended for ``cause``: lost
+    Attempts by ``retry_on_lost``, failed and timed-out ones by ``retry_on_error``."""
+    return policy.retry_on_lost if cause is RetryCause.LOST else policy.retry_on_error
+
+
+def decide_retry(
+    *, run_id: str, policy: RetryPolicy | None, cause: RetryCause, attempt_number: int, now_ms: int
+) -> RetryDecision:
+    """Ordered rules: no policy, retry disabled for the cause, max attempts too low, safety
+    undeclared or unsafe, attempts exhausted -> fail; only idempotent|deduplicated work with
+    attempts left is retried, after the backoff that follows ``attempt_number``."""
+    failure: FailureReason | None = None
     if policy is None:
-        failure = LostFailureReason.NO_POLICY
-    elif not policy.retry_on_lost:
-        failure = LostFailureReason.RETRY_ON_LOST_DISABLED
+        failure = FailureReason.NO_POLICY
+    elif not retry_enabled(policy, cause):
+        failure = (
+            FailureReason.RETRY_ON_LOST_DISABLED
+            if cause is RetryCause.LOST
+            else FailureReason.RETRY_ON_ERROR_DISABLED
+        )
     elif policy.max_attempts < 2:
-        failure = LostFailureReason.MAX_ATTEMPTS_TOO_LOW
+        failure = FailureReason.MAX_ATTEMPTS_TOO_LOW
     elif policy.safety is None:
-        failure = LostFailureReason.SAFETY_UNDECLARED
+        failure = FailureReason.SAFETY_UNDECLARED
     elif policy.safety is Safety.UNSAFE or policy.safety not in RETRYABLE_SAFETY:
-        failure = LostFailureReason.UNSAFE
-    elif lost_attempt_number >= policy.max_attempts:
-        failure = LostFailureReason.ATTEMPTS_EXHAUSTED
+        failure = FailureReason.UNSAFE
+    elif attempt_number >= policy.max_attempts:
+        failure = FailureReason.ATTEMPTS_EXHAUSTED
     if failure is not None or policy is None:
-        return LostRetryDecision(failure=failure, next_attempt_at_ms=None)
-    delay = policy.backoff.delay_ms(run_id, lost_attempt_number)
-    return LostRetryDecision(failure=None, next_attempt_at_ms=now_ms + delay)
+        return RetryDecision(failure=failure, next_attempt_at_ms=None)
+    delay = policy.backoff.delay_ms(run_id, attempt_number)
+    return RetryDecision(failure=None, next_attempt_at_ms=now_ms + delay)
+
+
+def timed_out_error(timeout_ms: int) -> str:
+    """The error of an Attempt stopped at its Run's timeout: "timed out after 2.0 s" (tenths
+    of a second, or every digit the timeout has)."""
+    seconds = timeout_ms / 1000
+    shown = f"{seconds:.1f}" if timeout_ms % 100 == 0 else f"{seconds:g}"
+    return f"timed out after {shown} s"
 
 
 def is_lost_retry_candidate(run: Run) -> bool:
@@ -76,7 +106,8 @@ def is_due_retry(run: Run, now_ms: int) -> bool:
 
 
 def settle_lost_run(*, run: Run, lost_attempt: Attempt, now_ms: int) -> Change:
-    """Apply the decision: ``lost`` -> ``failed`` or ``lost`` -> ``retry_wait``."""
+    """Apply the retry decision (cause ``lost``): ``lost`` -> ``failed`` or ``lost`` ->
+    ``retry_wait``."""
     if not is_lost_retry_candidate(run):
         raise InvalidTransition("run", run.id, run.status.value, "settle a lost attempt")
     if (
@@ -87,8 +118,12 @@ def settle_lost_run(*, run: Run, lost_attempt: Attempt, now_ms: int) -> Change:
         raise InvalidTransition(
             "attempt", lost_attempt.id, lost_attempt.status.value, "decide a lost retry"
         )
-    decision = decide_lost_retry(
-        run_id=run.id, policy=run.policy, lost_attempt_number=lost_attempt.number, now_ms=now_ms
+    decision = decide_retry(
+        run_id=run.id,
+        policy=run.policy,
+        cause=RetryCause.LOST,
+        attempt_number=lost_attempt.number,
+        now_ms=now_ms,
     )
     require_run_edge(
         run, RunStatus.FAILED if decision.failure else RunStatus.RETRY_WAIT, "settle a lost attempt"
@@ -129,7 +164,7 @@ def settle_lost_run(*, run: Run, lost_attempt: Attempt, now_ms: int) -> Change:
 
 def start_next_attempt(*, run: Run, attempt_id: str, now_ms: int) -> Change:
     """When the store's clock reaches ``next_attempt_at_ms``: a fresh, unleased Attempt N+1 and
-    the Run ``queued``. Nothing of the lost Attempt is carried over."""
+    the Run ``queued``. Nothing of the lost or failed Attempt is carried over."""
     if (
         run.status is not RunStatus.RETRY_WAIT
         or run.owner is not RunOwner.RUNTIME

@@ -37,8 +37,9 @@ RUN_EDGES: Mapping[RunStatus, frozenset[RunStatus]] = {
     R.QUEUED: frozenset({R.RUNNING, R.CANCELLED}),
     # offered under ADR 0005, never started
     R.DISPATCHING: frozenset({R.LOST, R.QUEUED, R.CANCELLED}),
-    # completed, lost, handed back unstarted, cancelled; workflow aggregates succeed or fail
-    R.RUNNING: frozenset({R.SUCCEEDED, R.FAILED, R.LOST, R.QUEUED, R.CANCELLED}),
+    # completed, lost, handed back unstarted, cancelled; workflow aggregates succeed or fail;
+    # a failed Attempt whose policy retries on error waits for its next Attempt (ADR 0013)
+    R.RUNNING: frozenset({R.SUCCEEDED, R.FAILED, R.RETRY_WAIT, R.LOST, R.QUEUED, R.CANCELLED}),
     # the lost-retry decision; a lost Run whose Attempt is still active can be lost again
     R.LOST: frozenset({R.LOST, R.RETRY_WAIT, R.FAILED, R.CANCELLED}),
     # the next Attempt is created when due

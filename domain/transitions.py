@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from attrs import evolve, frozen
+from attrs import evolve
 
+from domain.change import Change as Change  # every transition returns one: imported from here
 from domain.errors import (
     FenceReason,
     FenceRejected,
@@ -22,6 +23,7 @@ from domain.events import EventType, RunEvent
 from domain.fence import LeaseFence, check_fence
 from domain.model import (
     MAX_PRIORITY,
+    MAX_TIMEOUT_MS,
     MAX_UNIQUE_KEY_LENGTH,
     MIN_PRIORITY,
     Attempt,
@@ -38,6 +40,7 @@ from domain.model import (
     WorkerSession,
 )
 from domain.policy import RetryPolicy
+from domain.retry import RetryCause, decide_retry, timed_out_error
 from domain.states import CLAIMABLE_RUN_STATUSES, require_attempt_edge, require_run_edge
 
 MAX_TASK_NAME_LENGTH = 200
@@ -53,20 +56,6 @@ def storable_text(value: JsonValue) -> bool:
     if isinstance(value, dict):
         return all("\x00" not in key and storable_text(item) for key, item in value.items())
     return True
-
-
-@frozen(kw_only=True)
-class Change:
-    """The outcome of one transition: the values to persist and the event to append.
-
-    ``attempts`` holds the Attempts that changed or were created; ``lease`` the lease that changed
-    or was created, if any.
-    """
-
-    run: Run
-    attempts: tuple[Attempt, ...]
-    lease: DispatchLease | None
-    event: RunEvent
 
 
 def _event(
@@ -169,8 +158,10 @@ def admit(
         raise InvalidAdmission(
             f"a unique key must be 1..{MAX_UNIQUE_KEY_LENGTH} characters, without NUL"
         )
-    if timeout_ms is not None and (isinstance(timeout_ms, bool) or timeout_ms < 1):
-        raise InvalidAdmission("a timeout must be a positive number of milliseconds")
+    if timeout_ms is not None and (
+        isinstance(timeout_ms, bool) or not 1 <= timeout_ms <= MAX_TIMEOUT_MS
+    ):
+        raise InvalidAdmission(f"a timeout must be within 1..{MAX_TIMEOUT_MS} milliseconds")
     attempts: tuple[Attempt, ...] = ()
     status = RunStatus.CREATED
     if attempt_id is not None:
@@ -375,40 +366,76 @@ def complete(
     output: JsonValue,
     error: str | None,
     now_ms: int,
+    timed_out: bool = False,
 ) -> Change:
-    """The worker reports the outcome. The lease is released with reason ``completed``."""
+    """The worker reports the outcome; the lease is released with reason ``completed``.
+
+    A failure (``timed_out``: the worker stopped the task at the Run's timeout) goes through
+    the retry decision of :func:`domain.retry.decide_retry` (cause ``error`` or ``timeout``):
+    the Attempt is ``failed`` either way, and the Run ``retry_wait`` until its next Attempt is
+    due, or ``failed`` (ADR 0013). One event, ``attempt_failed``, says which. The error of a
+    timed-out Attempt names the Run's timeout ("timed out after 2.0 s")."""
     live = _fenced(run, attempt, lease, fence, now_ms)
     if not storable_text(output) or not storable_text(error):
         raise InvalidAdmission("an output or error must not hold a NUL character")
+    if succeeded and timed_out:
+        raise InvalidAdmission("an attempt stopped at its timeout did not succeed")
     attempt_status = AttemptStatus.SUCCEEDED if succeeded else AttemptStatus.FAILED
-    run_status = RunStatus.SUCCEEDED if succeeded else RunStatus.FAILED
     _require_attempt(run, attempt, attempt_status, "complete")
     if run.status is not RunStatus.RUNNING:
         raise _refuse("run", run.id, run.status.value, "complete")
-    _require_run(run, run_status, "complete")
     released = _release(live, ReleaseReason.COMPLETED, now_ms)
+    failure = None if succeeded else (error or "failed")
+    if timed_out and run.timeout_ms is not None:
+        failure = timed_out_error(run.timeout_ms)
     new_attempt = evolve(
         attempt,
         status=attempt_status,
         lease_version=released.version,
         finished_at_ms=now_ms,
-        error=None if succeeded else (error or "failed"),
+        error=failure,
         updated_at_ms=now_ms,
     )
-    new_run = evolve(
-        run,
-        status=run_status,
-        output=output if succeeded else None,
-        error=None if succeeded else (error or "failed"),
-        updated_at_ms=now_ms,
+    if succeeded:
+        _require_run(run, RunStatus.SUCCEEDED, "complete")
+        new_run = evolve(
+            run, status=RunStatus.SUCCEEDED, output=output, error=None, updated_at_ms=now_ms
+        )
+        return Change(
+            run=new_run,
+            attempts=(new_attempt,),
+            lease=released,
+            event=_event(new_run, new_attempt, EventType.ATTEMPT_SUCCEEDED, now_ms),
+        )
+    cause = RetryCause.TIMEOUT if timed_out else RetryCause.ERROR
+    decision = decide_retry(
+        run_id=run.id, policy=run.policy, cause=cause, attempt_number=attempt.number, now_ms=now_ms
     )
-    event_type = EventType.ATTEMPT_SUCCEEDED if succeeded else EventType.ATTEMPT_FAILED
-    data: dict[str, JsonValue] = {} if succeeded else {"error": new_run.error}
+    data: dict[str, JsonValue] = {"error": failure, "cause": cause.value, "retry": decision.retry}
+    if decision.failure is None:
+        _require_run(run, RunStatus.RETRY_WAIT, "complete")
+        new_run = evolve(
+            run,
+            status=RunStatus.RETRY_WAIT,
+            output=None,
+            error=None,
+            next_attempt_at_ms=decision.next_attempt_at_ms,
+            updated_at_ms=now_ms,
+        )
+        data.update(
+            {"next_attempt_at_ms": decision.next_attempt_at_ms, "next_attempt": attempt.number + 1}
+        )
+    else:
+        _require_run(run, RunStatus.FAILED, "complete")
+        new_run = evolve(
+            run, status=RunStatus.FAILED, output=None, error=failure, updated_at_ms=now_ms
+        )
+        data["reason"] = decision.failure.value
     return Change(
         run=new_run,
         attempts=(new_attempt,),
         lease=released,
-        event=_event(new_run, new_attempt, event_type, now_ms, data),
+        event=_event(new_run, new_attempt, EventType.ATTEMPT_FAILED, now_ms, data),
     )
 
 

@@ -24,7 +24,7 @@ from application.history import (
     PruneReport,
     parse_duration,
 )
-from application.tasks import TaskRegistry, json_input
+from application.tasks import TaskRegistry, json_input, timeout_millis
 from bootstrap.producer import Producer
 from domain.errors import InvalidAdmission
 from domain.model import JsonValue, Run, RunStatus
@@ -50,11 +50,13 @@ class UnsupportedTransaction(TypeError):
 @dataclass(frozen=True, slots=True)
 class Submission:
     """One run to submit: a task (by name or by its declared function), its JSON input and,
-    optionally, a policy that replaces the task's template."""
+    optionally, a policy that replaces the task's template and an execution timeout in seconds
+    that replaces the task's."""
 
     task: Task
     input: object = None
     policy: RetryPolicy | None = None
+    timeout: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,11 +127,14 @@ class Runtime:
         """The admission request of one submission: the task checked against the registry (when
         the runtime has one), the input checked as JSON, the policy snapshot chosen."""
         task, payload, policy = submission.task, submission.input, submission.policy
+        timeout_ms = timeout_millis(submission.timeout)
         if self._tasks is not None:
-            return self._tasks.request(task, payload, policy=policy)
+            return self._tasks.request(task, payload, policy=policy, timeout_ms=timeout_ms)
         if not isinstance(task, str):
             raise InvalidAdmission("without a task registry, a task is given by its name")
-        return AdmissionRequest(task=task, input=json_input(payload), policy=policy)
+        return AdmissionRequest(
+            task=task, input=json_input(payload), policy=policy, timeout_ms=timeout_ms
+        )
 
     def submit(
         self,
@@ -137,12 +142,17 @@ class Runtime:
         input: object = None,
         *,
         policy: RetryPolicy | None = None,
+        timeout: float | None = None,
         transaction: object | None = None,
     ) -> str:
-        """Admit one run and return its id. With ``transaction`` (a SQLAlchemy ``Connection`` or
-        ``Session``, or a psycopg connection) it is written in that transaction and commits or
-        rolls back with it; workers are woken only when it commits."""
-        return self.submit_many([Submission(task, input, policy)], transaction=transaction)[0]
+        """Admit one run and return its id. ``timeout``: the seconds an attempt may run before
+        its worker stops it as a failure (else the task's). With ``transaction`` (a SQLAlchemy
+        ``Connection`` or ``Session``, or a psycopg connection) it is written in that
+        transaction and commits or rolls back with it; workers are woken only when it
+        commits."""
+        return self.submit_many(
+            [Submission(task, input, policy, timeout)], transaction=transaction
+        )[0]
 
     def submit_many(
         self,
@@ -162,9 +172,10 @@ class Runtime:
         input: object = None,
         *,
         policy: RetryPolicy | None = None,
+        timeout: float | None = None,
     ) -> str:
         """:meth:`submit` for asyncio code (the store's call runs in a worker thread)."""
-        return await asyncio.to_thread(self.submit, task, input, policy=policy)
+        return await asyncio.to_thread(self.submit, task, input, policy=policy, timeout=timeout)
 
     async def asubmit_many(
         self, submissions: Iterable[Submission | tuple[Task, object]]

@@ -16,15 +16,23 @@ see them recovered and retried, or failed, as their policy says::
     rt.run_due()                     # ... attempt 2 runs
     assert rt.get(run_id).succeeded
 
+A run's execution timeout holds inline too, as far as a call in the test's own thread allows: an
+``async def`` task is cancelled at its timeout; a plain function cannot be stopped, so one that
+returns after its timeout (measured on the monotonic clock, not the fake one) fails as timed out
+and its result is dropped (ADR 0013).
+
 The pytest fixtures of :mod:`ql3.pytest_plugin` build one per test (ADR 0009)."""
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, cast
 
+from adapters.execution.app import run_awaitable
 from adapters.memory import FakeClock, MemoryStore
 from adapters.memory.clock import DEFAULT_START_MS
 from adapters.standalone.pool import execute_grant
@@ -117,7 +125,17 @@ class InlineWorker:
         return self._session
 
     def _execute(self, grant: Grant) -> Completion:
-        outcome = execute_grant(self._tasks, grant)
+        timeout_ms = grant.timeout_ms
+        run: Callable[[Any], Any] | None = None
+        if timeout_ms is not None:
+
+            def run(awaitable: Any) -> Any:
+                return run_awaitable(asyncio.wait_for(awaitable, timeout_ms / 1000))
+
+        began = time.monotonic()
+        outcome = execute_grant(self._tasks, grant, run=run)
+        if timeout_ms is not None and (time.monotonic() - began) * 1000 >= timeout_ms:
+            return Completion(fence=grant.fence, succeeded=False, timed_out=True)
         return Completion(
             fence=grant.fence,
             succeeded=outcome.succeeded,

@@ -24,7 +24,7 @@ from application.history import (
 )
 from application.lookups import UnknownAttempt
 from domain.errors import ConcurrencyConflict, DomainError
-from domain.model import RunStatus
+from domain.model import MAX_TIMEOUT_MS, RunStatus
 from domain.policy import Backoff, RetryPolicy, Safety
 
 
@@ -158,8 +158,20 @@ db.add_command(db_cmds.grant_ingress_command)
 @click.option("--input", "input_json", default="null", help="The run's JSON input.")
 @click.option("--safety", type=click.Choice([s.value for s in Safety]), default=None)
 @click.option("--retry-on-lost", is_flag=True)
+@click.option(
+    "--retry-on-error",
+    is_flag=True,
+    help="Retry when the task fails or times out (needs --safety idempotent or deduplicated).",
+)
 @click.option("--max-attempts", type=int, default=None)
 @click.option("--backoff-initial", type=float, default=None, help="Seconds.")
+@click.option(
+    "--timeout",
+    "timeout_s",
+    type=float,
+    default=None,
+    help="Seconds an attempt may run before the worker stops it as a failure.",
+)
 @database_option
 @json_option
 def submit(
@@ -167,8 +179,10 @@ def submit(
     input_json: str,
     safety: str | None,
     retry_on_lost: bool,
+    retry_on_error: bool,
     max_attempts: int | None,
     backoff_initial: float | None,
+    timeout_s: float | None,
     database_url: str | None,
     as_json: bool,
 ) -> None:
@@ -177,19 +191,26 @@ def submit(
         payload = json.loads(input_json)
     except json.JSONDecodeError as error:
         _fail_usage(f"--input is not JSON: {error.msg}")
+    timeout_ms: int | None = None
+    if timeout_s is not None:
+        if not timeout_s > 0 or timeout_s * 1000 > MAX_TIMEOUT_MS:
+            _fail_usage(f"--timeout must be within 0.001..{MAX_TIMEOUT_MS // 1000} seconds")
+        timeout_ms = max(1, round(timeout_s * 1000))
     policy: RetryPolicy | None = None
-    if safety or retry_on_lost or max_attempts is not None or backoff_initial is not None:
+    declared = (safety, retry_on_lost, retry_on_error, max_attempts, backoff_initial)
+    if any(value not in (None, False) for value in declared):
         if backoff_initial is not None and backoff_initial < 0:
             _fail_usage("--backoff-initial must be >= 0")
         initial_ms = round((backoff_initial if backoff_initial is not None else 1.0) * 1000)
         policy = RetryPolicy(
             retry_on_lost=retry_on_lost,
+            retry_on_error=retry_on_error,
             max_attempts=max_attempts if max_attempts is not None else 1,
             safety=Safety(safety) if safety else None,
             backoff=Backoff(initial_ms=initial_ms, cap_ms=max(initial_ms, 300_000)),
         )
     with _producer(database_url) as producer:
-        run_id = producer.admission.submit(task, payload, policy)
+        run_id = producer.admission.submit(task, payload, policy, timeout_ms=timeout_ms)
     _emit(as_json, {"run_id": run_id}, lambda: click.echo(run_id))
 
 

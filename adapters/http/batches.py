@@ -64,7 +64,11 @@ def fence_of(item: FenceItem) -> LeaseFence:
 
 def completion_of(item: CompleteItem) -> Completion:
     return Completion(
-        fence=fence_of(item), succeeded=item.succeeded, output=item.output, error=item.error
+        fence=fence_of(item),
+        succeeded=item.succeeded,
+        output=item.output,
+        error=item.error,
+        timed_out=item.timed_out,
     )
 
 

@@ -85,6 +85,7 @@ def grant_body(grant: Grant) -> GrantBody:
         token=grant.token,
         expires_at_ms=grant.expires_at_ms,
         idempotency_key=grant.idempotency_key,
+        timeout_ms=grant.timeout_ms,
     )
 
 

@@ -116,6 +116,10 @@ class CompleteItem(FenceItem):
     succeeded: bool
     output: Output = None
     error: Annotated[Text | None, Field(max_length=MAX_ERROR_LENGTH)] = None
+    timed_out: bool = Field(
+        default=False,
+        description="A failure: the worker stopped the task at its run's timeout.",
+    )
 
 
 class AbandonItem(FenceItem):
@@ -200,6 +204,11 @@ class GrantBody(BaseModel):
     token: str = Field(description="The lease token: sent once, here.")
     expires_at_ms: int
     idempotency_key: str
+    timeout_ms: int | None = Field(
+        default=None,
+        description="The run's execution timeout: the worker stops the task once it has run "
+        "this long and reports a failure that timed out. null: no timeout.",
+    )
 
 
 class ClaimResponse(BaseModel):

@@ -8,9 +8,11 @@ Threads are daemons: a process that stops before a task returns does not wait fo
 task's Attempt is then abandoned or, after a crash, recovered at the next boot).
 
 An ``async def`` task runs on an event loop of its thread; :meth:`InProcessPool.cancel` cancels
-it (the runner does when the Attempt's lease is lost). A thread cannot be killed: a sync task,
-or an async task that ignores its cancellation, runs on until it returns, and the fence refuses
-its outcome (ADR 0009).
+it (the runner does when the Attempt's lease is lost, or when the task runs past its run's
+timeout). A thread cannot be killed: a sync task, or an async task that ignores its
+cancellation, runs on until it returns, and the fence refuses its outcome (ADR 0009); one past
+its timeout has been reported as a failure that timed out, and what it returns is dropped
+(ADR 0013).
 """
 
 from __future__ import annotations
@@ -32,22 +34,26 @@ MAX_ERROR_LENGTH = 2_000
 
 @dataclass(frozen=True, slots=True)
 class Outcome:
-    """What one execution of a task returned, or why it failed."""
+    """What one execution of a task returned, or why it failed; ``timed_out``: it ran past its
+    run's timeout."""
 
     attempt_id: str
     succeeded: bool
     output: JsonValue = None
     error: str | None = None
+    timed_out: bool = False
 
 
 @dataclass(slots=True)
 class Execution:
-    """An Attempt a claim started for this process: its grant (with the fence) and when to
-    renew its lease."""
+    """An Attempt a claim started for this process: its grant (with the fence), when to renew
+    its lease and when it runs past its run's timeout (monotonic seconds)."""
 
     grant: Grant
     renew_at: float
     orphaned: bool = False
+    timeout_at: float | None = None
+    timed_out: bool = False  # reported as timed out: what its thread returns later is dropped
 
     @property
     def fence(self) -> LeaseFence:

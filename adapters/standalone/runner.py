@@ -82,6 +82,7 @@ from application.worker_commands import (
     WorkerCommands,
 )
 from domain.errors import DomainError
+from domain.retry import timed_out_error
 
 Emit = Callable[[str], None]
 
@@ -299,7 +300,8 @@ class StandaloneRunner:
     # --- the loop -------------------------------------------------------------------------------
 
     def _step(self) -> None:
-        self._unreported.extend(self._pool.finished())
+        self._unreported.extend(self._finished())
+        self._stop_timed_out()
         self._renew_due_leases()
         self._exchange()
         if self._cycle_due():
@@ -362,6 +364,31 @@ class StandaloneRunner:
 
     # --- claims and completions -------------------------------------------------------------------
 
+    def _finished(self) -> list[Outcome]:
+        """What the pool's tasks returned, but for those already reported as timed out."""
+        return [
+            o
+            for o in self._pool.finished()
+            if not ((e := self._in_flight.get(o.attempt_id)) is not None and e.timed_out)
+        ]
+
+    def _stop_timed_out(self) -> None:
+        """Every task that ran past its run's timeout fails as timed out at once: an async task
+        is cancelled; a plain function's thread cannot be stopped, it runs on and what it
+        returns is dropped (ADR 0013)."""
+        now = time.monotonic()
+        ended = {o.attempt_id for o in self._unreported}
+        for execution in self._in_flight.values():
+            at = execution.timeout_at
+            attempt_id = execution.grant.attempt_id
+            if execution.timed_out or at is None or now < at or attempt_id in ended:
+                continue
+            execution.timed_out = True
+            self._pool.cancel(attempt_id)
+            self._unreported.append(
+                Outcome(attempt_id=attempt_id, succeeded=False, error="timed out", timed_out=True)
+            )
+
     def _free(self, reporting: int) -> int:
         """Free slots of the pool once ``reporting`` finished tasks are reported."""
         return self.settings.capacity - (len(self._in_flight) - reporting)
@@ -390,6 +417,7 @@ class StandaloneRunner:
                 succeeded=o.succeeded,
                 output=o.output,
                 error=o.error,
+                timed_out=o.timed_out,
             )
             for o in batch
         ]
@@ -423,11 +451,14 @@ class StandaloneRunner:
 
     def _settle(self, outcomes: Sequence[Outcome], results: Sequence[ItemResult]) -> None:
         for outcome, result in zip(outcomes, results, strict=True):
-            label = self._in_flight.pop(outcome.attempt_id).label
+            execution = self._in_flight.pop(outcome.attempt_id)
+            label = execution.label
             if not result.ok:
                 self._emit(f"{label} finished, but its outcome was refused: {result.message}")
             elif outcome.succeeded:
                 self._emit(f"{label} succeeded")
+            elif outcome.timed_out:
+                self._emit(f"{label} {timed_out_error(execution.grant.timeout_ms or 0)}")
             else:
                 self._emit(f"{label} failed: {outcome.error}")
         if outcomes and not self._stop_requested.is_set():
@@ -439,10 +470,15 @@ class StandaloneRunner:
         schedule = self._schedule
         for attempt_id in answer.released:
             self._emit(f"attempt {attempt_id} handed back: this process did not hold it")
-        renew_at = time.monotonic() + self._renew_every()
+        now = time.monotonic()
+        renew_at = now + self._renew_every()
         unstarted: list[tuple[Execution, str]] = []
         for grant in answer.grants:
-            execution = Execution(grant=grant, renew_at=renew_at)
+            execution = Execution(
+                grant=grant,
+                renew_at=renew_at,
+                timeout_at=now + grant.timeout_ms / 1000 if grant.timeout_ms else None,
+            )
             if self._stop_requested.is_set():
                 unstarted.append((execution, "the process is stopping"))
                 continue
@@ -569,6 +605,11 @@ class StandaloneRunner:
         deadlines.extend(
             execution.renew_at for execution in self._in_flight.values() if not execution.orphaned
         )
+        deadlines.extend(
+            e.timeout_at
+            for e in self._in_flight.values()
+            if e.timeout_at is not None and not e.timed_out
+        )
         store_due = self._store_due()
         if store_due is not None:
             deadlines.append(now + max(0, store_due - self._due_times.now_ms()) / 1000)
@@ -626,17 +667,23 @@ class StandaloneRunner:
             self._emit(f"draining: waiting for {len(self._in_flight)} running attempt(s)")
         deadline = time.monotonic() + self.settings.drain_timeout_s
         while self._in_flight and time.monotonic() < deadline and not self._hurry.is_set():
-            self._unreported.extend(self._pool.finished())
+            self._unreported.extend(self._finished())
+            self._stop_timed_out()
             self._exchange()  # stopping: completions only
             self._renew_due_leases()
             if not self._in_flight:
                 break
             wake_at = [deadline]
             wake_at.extend(e.renew_at for e in self._in_flight.values() if not e.orphaned)
+            wake_at.extend(
+                e.timeout_at
+                for e in self._in_flight.values()
+                if e.timeout_at is not None and not e.timed_out
+            )
             if self._unreported:
                 wake_at.append(self._schedule.call_retry_at or time.monotonic())
             self._wait(max(0.0, min(wake_at) - time.monotonic()))
-        self._unreported.extend(self._pool.finished())
+        self._unreported.extend(self._finished())
         self._schedule.call_retry_at = None
         self._exchange()
         left = list(self._in_flight.values())

@@ -105,6 +105,11 @@ class GrantData:
     token: str
     expires_at_ms: int
     idempotency_key: str
+    timeout_ms: int | None = None  # the run's execution timeout
+
+    @property
+    def timeout_s(self) -> float | None:
+        return self.timeout_ms / 1000 if self.timeout_ms is not None else None
 
     @property
     def fence(self) -> Fence:
@@ -118,18 +123,24 @@ class GrantData:
 
 @dataclass(frozen=True, slots=True)
 class Completion:
+    """A task's outcome; ``timed_out``: a failure, the task stopped at its run's timeout."""
+
     fence: Fence
     succeeded: bool
     output: JsonValue = None
     error: str | None = None
+    timed_out: bool = False
 
     def body(self) -> dict[str, JsonValue]:
-        return {
+        body: dict[str, JsonValue] = {
             **self.fence.body(),
             "succeeded": self.succeeded,
             "output": self.output if self.succeeded else None,
             "error": None if self.succeeded else self.error,
         }
+        if self.timed_out and not self.succeeded:
+            body["timed_out"] = True
+        return body
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,7 +3,10 @@ lease could not be renewed before its expiry minus a margin, whatever the other 
 doing (a call to the ingress that hangs included). The reporter then reports it: ``abandon``
 when the task had begun (with the lease still live the Attempt is lost at once, otherwise the
 report is kept as not-running evidence), ``release`` when its job had not reached the child
-yet."""
+yet.
+
+The same watchdog, with the same stop, ends a task that has run past its run's timeout; that
+one is reported as a failing completion that timed out (ADR 0013)."""
 
 from __future__ import annotations
 
@@ -35,7 +38,9 @@ class Watchdog:
         """Stop the overdue tasks; how many there were."""
         kills = self._ledger.overdue(now, self._margin_s)
         kill_tasks(kills, "its lease could not be renewed before it expired")
-        return len(kills)
+        late = self._ledger.timed_out(now)
+        kill_tasks(late, "it ran past its timeout")
+        return len(kills) + len(late)
 
     def run(self) -> None:
         while not self._closing.wait(self._interval_s):

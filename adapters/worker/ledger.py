@@ -24,7 +24,11 @@ there, otherwise ``released``) tells when it is gone.
 
 A grant that arrives while the worker drains or stops, or finds no free slot, is ``UNSTARTED``
 at once; so is a job that never reached its slot's child (cancelled first, or the child was
-gone)."""
+gone).
+
+A task that runs past its run's timeout (``timeout_ms`` of its grant, counted from the grant's
+arrival) is stopped like a self-fenced one, by the watchdog; the outcome of that stop is a
+failure that timed out, sent as a completion (``timed_out``), not an abandon (ADR 0013)."""
 
 from __future__ import annotations
 
@@ -112,6 +116,8 @@ class Held:
     failed_over: bool = False  # its result was refused once and replaced by a failure
     retry_at: float = 0.0  # not sent again before this (monotonic)
     renewed: bool = True  # its lease is renewed (false once the node refused a renewal)
+    timeout_at: float | None = None  # monotonic: when its task has run past its run's timeout
+    timed_out: bool = False  # its task was stopped at that timeout
 
     @property
     def attempt_id(self) -> str:
@@ -140,6 +146,7 @@ class Held:
             succeeded=outcome.succeeded,
             output=outcome.output,
             error=outcome.error,
+            timed_out=self.timed_out and not outcome.succeeded,
         )
 
     def abandonment(self) -> Abandonment:
@@ -296,10 +303,15 @@ class Ledger:
                 if not outcome.started:
                     held.cause = held.cause or "slot_failed"
                     self._move(held, Phase.UNSTARTED)
+                elif outcome.killed and held.timed_out:
+                    # Stopped at its timeout: a failure to complete, not an abandon.
+                    held.outcome = JobOutcome(succeeded=False, error=held.detail)
+                    self._move(held, Phase.FINISHED)
                 elif outcome.killed:
                     held.detail = held.detail or "stopped by the worker"
                     self._move(held, Phase.STOPPED)
                 else:
+                    held.timed_out = False  # it ended by itself before the stop took hold
                     held.outcome = outcome
                     self._move(held, Phase.FINISHED)
             self.changed.notify_all()
@@ -381,6 +393,8 @@ class Ledger:
                     held.phase = Phase.UNSTARTED
                 else:
                     held.slot = self._free.pop()
+                    if grant.timeout_s is not None:
+                        held.timeout_at = now + grant.timeout_s
                     held.slot.put(held.job())
             self.changed.notify_all()
         return fresh
@@ -415,6 +429,26 @@ class Ledger:
             if late:
                 self.changed.notify_all()
         return [k for k in kills if k is not None]
+
+    def timed_out(self, now: float) -> list[Kill]:
+        """Stop every task that has run past its run's timeout; each is reported as a failure
+        that timed out once its slot stopped it."""
+        with self.changed:
+            late = [
+                h
+                for h in self._in(Phase.RUNNING)
+                if h.timeout_at is not None and now >= h.timeout_at
+            ]
+            kills = []
+            for held in late:
+                timeout_s = held.grant.timeout_s or 0.0
+                kill = self._stop(held, f"timed out after {timeout_s:.1f} s", "timed_out")
+                held.timed_out = kill is not None
+                if kill is not None:
+                    kills.append(kill)
+            if late:
+                self.changed.notify_all()
+        return kills
 
     # --- reports --------------------------------------------------------------------------------
 

@@ -14,7 +14,8 @@
 
 /* ---------------------------------------------------------------- bounds */
 
-#define NR 2            /* runs: 0 is unsafe (no retry); 1 is idempotent, retry on lost */
+#define NR 2            /* runs: 0 is unsafe (no retry); 1 is idempotent, retry on lost and
+                           on error (ADR 0013) */
 #define UNSAFE_RUN 0
 #define MAXA 2          /* attempts per run: max_attempts of run 1 */
 #define NW 2            /* workers, one execution slot each */
@@ -24,9 +25,9 @@
    replicas whose recovery or lost-retry step fails once, or one replica with one of: a worker
    crash (at any step), a claim answer lost after its transaction committed, an unstarted
    attempt handed back by its worker, an operator's cancellation, an operator's attestation
-   that an attempt executes nowhere. */
+   that an attempt executes nowhere, a task of the idempotent run that raises. */
 byte replicas = 1;
-byte crashes, losses, handbacks, step_failures, cancels, attests;
+byte crashes, losses, handbacks, step_failures, cancels, attests, errors;
 
 /* -DUNORDERED_GATE=1: step 5 opens a closed gate whenever it runs, as it did before the
    compare-and-set (ADR 0011); the assertion that a cycle opens the gate only when it did not
@@ -68,7 +69,7 @@ byte crashes, losses, handbacks, step_failures, cancels, attests;
 #define RUN_EDGE(f, t) ( \
     (f == R_CREATED && (t == R_QUEUED || t == R_CANCELLED)) || \
     (f == R_QUEUED && (t == R_RUNNING || t == R_CANCELLED)) || \
-    (f == R_RUNNING && (t == R_SUCCEEDED || t == R_FAILED || t == R_LOST || t == R_QUEUED || t == R_CANCELLED)) || \
+    (f == R_RUNNING && (t == R_SUCCEEDED || t == R_FAILED || t == R_RETRY_WAIT || t == R_LOST || t == R_QUEUED || t == R_CANCELLED)) || \
     (f == R_LOST && (t == R_RETRY_WAIT || t == R_FAILED || t == R_CANCELLED)) || \
     (f == R_RETRY_WAIT && (t == R_QUEUED || t == R_CANCELLED)) )
 
@@ -172,7 +173,9 @@ inline complete(r, i, g, v, s, seen, ok) {
         release_lease(r, g);
         if
         :: ok -> att_to(i, A_SUCCEEDED); run_to(r, R_SUCCEEDED)
-        :: else -> att_to(i, A_FAILED); run_to(r, R_FAILED)
+        :: !ok && r != UNSAFE_RUN && natt[r] < MAXA ->    /* retried on error (ADR 0013) */
+            att_to(i, A_FAILED); run_to(r, R_RETRY_WAIT)
+        :: !ok && (r == UNSAFE_RUN || natt[r] >= MAXA) -> att_to(i, A_FAILED); run_to(r, R_FAILED)
         fi
     :: else -> skip    /* already completed, or a stale fence: nothing changes */
     fi
@@ -293,6 +296,7 @@ end_idle:
     /* the task ends, well or not */
     :: atomic { phase == P_EXEC -> executing[hi]--; in_slot[hi]--; ok = 1; phase = P_DONE }
     :: atomic { phase == P_EXEC && hr == UNSAFE_RUN -> executing[hi]--; in_slot[hi]--; ok = 0; phase = P_DONE }
+    :: atomic { phase == P_EXEC && hr != UNSAFE_RUN && errors > 0 -> errors--; executing[hi]--; in_slot[hi]--; ok = 0; phase = P_DONE }
 
     /* self-fencing: the slot is killed, then the abandon report (fenced) */
     :: atomic {
@@ -486,6 +490,7 @@ init {
         :: handbacks = 1
         :: cancels = 1
         :: attests = 1
+        :: errors = 1
         fi;
         run Worker(0); run Worker(1);
         run Replica(0);

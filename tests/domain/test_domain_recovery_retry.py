@@ -1,4 +1,5 @@
-"""Recovery resolution, not-running evidence, the lost-retry builder, backoff and sessions."""
+"""Recovery resolution, not-running evidence, the retry decision and the lost-retry builder,
+backoff and sessions."""
 
 from __future__ import annotations
 
@@ -26,8 +27,9 @@ from domain.recovery import (
     resolve_recovery,
 )
 from domain.retry import (
-    LostFailureReason,
-    decide_lost_retry,
+    FailureReason,
+    RetryCause,
+    decide_retry,
     settle_lost_run,
     start_next_attempt,
 )
@@ -212,44 +214,63 @@ def test_reports_of_other_attempts_and_other_sessions_are_no_evidence() -> None:
     assert find_not_running_evidence(attempt, None, []) is None
 
 
-# --- decide_lost_retry --------------------------------------------------------------------------
+# --- decide_retry -------------------------------------------------------------------------------
 
 
-def _decide(policy: RetryPolicy | None, number: int = 1) -> LostFailureReason | None:
-    return decide_lost_retry(run_id="r", policy=policy, lost_attempt_number=number,
-                             now_ms=NOW).failure
+def _decide(
+    policy: RetryPolicy | None, number: int = 1, cause: RetryCause = RetryCause.LOST
+) -> FailureReason | None:
+    return decide_retry(run_id="r", policy=policy, cause=cause, attempt_number=number,
+                        now_ms=NOW).failure
 
 
 SAFE = RetryPolicy(retry_on_lost=True, max_attempts=3, safety=Safety.IDEMPOTENT)
+SAFE_ON_ERROR = RetryPolicy(retry_on_error=True, max_attempts=3, safety=Safety.IDEMPOTENT)
 
 
 def test_each_failure_rule() -> None:
-    assert _decide(None) is LostFailureReason.NO_POLICY
-    assert _decide(evolve(SAFE, retry_on_lost=False)) is LostFailureReason.RETRY_ON_LOST_DISABLED
-    assert _decide(evolve(SAFE, max_attempts=1)) is LostFailureReason.MAX_ATTEMPTS_TOO_LOW
-    assert _decide(evolve(SAFE, safety=None)) is LostFailureReason.SAFETY_UNDECLARED
-    assert _decide(evolve(SAFE, safety=Safety.UNSAFE)) is LostFailureReason.UNSAFE
-    assert _decide(SAFE, number=3) is LostFailureReason.ATTEMPTS_EXHAUSTED
-    assert _decide(SAFE, number=4) is LostFailureReason.ATTEMPTS_EXHAUSTED
+    assert _decide(None) is FailureReason.NO_POLICY
+    assert _decide(evolve(SAFE, retry_on_lost=False)) is FailureReason.RETRY_ON_LOST_DISABLED
+    assert _decide(evolve(SAFE, max_attempts=1)) is FailureReason.MAX_ATTEMPTS_TOO_LOW
+    assert _decide(evolve(SAFE, safety=None)) is FailureReason.SAFETY_UNDECLARED
+    assert _decide(evolve(SAFE, safety=Safety.UNSAFE)) is FailureReason.UNSAFE
+    assert _decide(SAFE, number=3) is FailureReason.ATTEMPTS_EXHAUSTED
+    assert _decide(SAFE, number=4) is FailureReason.ATTEMPTS_EXHAUSTED
+
+
+@pytest.mark.parametrize("cause", [RetryCause.ERROR, RetryCause.TIMEOUT])
+def test_errors_and_timeouts_follow_retry_on_error(cause: RetryCause) -> None:
+    assert _decide(None, cause=cause) is FailureReason.NO_POLICY
+    assert _decide(SAFE, cause=cause) is FailureReason.RETRY_ON_ERROR_DISABLED
+    assert _decide(SAFE_ON_ERROR, cause=cause) is None
+    assert _decide(SAFE_ON_ERROR, number=2, cause=cause) is None
+    assert _decide(SAFE_ON_ERROR, number=3, cause=cause) is FailureReason.ATTEMPTS_EXHAUSTED
+    assert _decide(evolve(SAFE_ON_ERROR, max_attempts=1), cause=cause) is (
+        FailureReason.MAX_ATTEMPTS_TOO_LOW
+    )
+    # retry on error does not retry a lost Attempt, nor retry on lost a failed one
+    assert _decide(SAFE_ON_ERROR) is FailureReason.RETRY_ON_LOST_DISABLED
 
 
 def test_the_order_of_the_rules_matters() -> None:
     unsafe_and_exhausted = evolve(SAFE, safety=Safety.UNSAFE)
-    assert _decide(unsafe_and_exhausted, number=3) is LostFailureReason.UNSAFE
+    assert _decide(unsafe_and_exhausted, number=3) is FailureReason.UNSAFE
     undeclared_and_exhausted = evolve(SAFE, safety=None)
-    assert _decide(undeclared_and_exhausted, number=3) is LostFailureReason.SAFETY_UNDECLARED
+    assert _decide(undeclared_and_exhausted, number=3) is FailureReason.SAFETY_UNDECLARED
     disabled_low_unsafe = RetryPolicy(retry_on_lost=False, max_attempts=1, safety=Safety.UNSAFE)
-    assert _decide(disabled_low_unsafe) is LostFailureReason.RETRY_ON_LOST_DISABLED
+    assert _decide(disabled_low_unsafe) is FailureReason.RETRY_ON_LOST_DISABLED
     low_and_unsafe = RetryPolicy(retry_on_lost=True, max_attempts=1, safety=Safety.UNSAFE)
-    assert _decide(low_and_unsafe) is LostFailureReason.MAX_ATTEMPTS_TOO_LOW
+    assert _decide(low_and_unsafe) is FailureReason.MAX_ATTEMPTS_TOO_LOW
 
 
 @pytest.mark.parametrize("safety", [Safety.IDEMPOTENT, Safety.DEDUPLICATED])
 def test_safe_policies_with_attempts_left_retry_after_the_backoff(safety: Safety) -> None:
     policy = RetryPolicy(retry_on_lost=True, max_attempts=3, safety=safety,
                          backoff=Backoff(initial_ms=500, multiplier=3.0, cap_ms=10_000))
-    first = decide_lost_retry(run_id="r", policy=policy, lost_attempt_number=1, now_ms=NOW)
-    second = decide_lost_retry(run_id="r", policy=policy, lost_attempt_number=2, now_ms=NOW)
+    first = decide_retry(run_id="r", policy=policy, cause=RetryCause.LOST, attempt_number=1,
+                         now_ms=NOW)
+    second = decide_retry(run_id="r", policy=policy, cause=RetryCause.LOST, attempt_number=2,
+                          now_ms=NOW)
     assert first.retry and first.next_attempt_at_ms == NOW + 500
     assert second.retry and second.next_attempt_at_ms == NOW + 1_500
 

@@ -46,6 +46,14 @@ def fail(payload: Any, context: TaskContext) -> Any:
     raise RuntimeError(payload.get("message", "boom"))
 
 
+def flaky(payload: Any, context: TaskContext) -> Any:
+    """Raises on its first ``failures`` attempts, then succeeds."""
+    _ledger("flaky", context)
+    if context.attempt_number <= payload.get("failures", 0):
+        raise RuntimeError(f"attempt {context.attempt_number} fails")
+    return {"attempt": context.attempt_number}
+
+
 def big(payload: Any, context: TaskContext) -> Any:
     """An output larger than the ingress takes in one request."""
     _ledger("big", context)
@@ -57,6 +65,7 @@ TASKS = {
     "e2e.double": double,
     "e2e.sleep": sleep,
     "e2e.fail": fail,
+    "e2e.flaky": flaky,
 }
 
 

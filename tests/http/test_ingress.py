@@ -637,7 +637,8 @@ def test_openapi_documents_every_call() -> None:
     }
     assert set(schemas["GrantBody"]["properties"]) == {
         "run_id", "attempt_id", "attempt_number", "task", "input", "generation", "version",
-        "token", "expires_at_ms", "idempotency_key",
+        "token", "expires_at_ms", "idempotency_key", "timeout_ms",
     }
+    assert "timed_out" in schemas["CompleteItem"]["properties"]
     assert set(schemas["HeartbeatResponse"]["properties"]) == {"status", "now_ms"}
     assert "cause" in schemas["ReleaseItem"]["properties"]

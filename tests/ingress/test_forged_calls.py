@@ -14,12 +14,14 @@ from typing import Any
 
 import psycopg
 import pytest
+from attrs import evolve
 from psycopg import errors
 from psycopg.types.json import Jsonb
 
 from adapters.postgres.queries import ADVISORY_LOCK_NAMESPACE
 from application.admission import Admission
 from domain.fence import LeaseFence, hash_token
+from domain.policy import Backoff, RetryPolicy, Safety
 from tests.ingress.support import Env, Worker, expire_lease, register, set_gate
 from tests.postgres_server import connect
 
@@ -849,3 +851,106 @@ def test_the_claim_lock_locks_nothing_for_a_wrong_secret_or_a_closed_gate(
             claim_lock(role_connection, queued.worker, ["t"], limit)
         assert raised.value.sqlstate == "Q3R01"
         role_connection.rollback()
+
+
+# --- a failing completion that retries on error (ADR 0013) ----------------------------------------
+
+RETRY_ON_ERROR = RetryPolicy(
+    retry_on_error=True,
+    max_attempts=3,
+    safety=Safety.IDEMPOTENT,
+    backoff=Backoff(initial_ms=1_000, cap_ms=10_000),
+)
+
+
+def started_with(env: Env, policy: RetryPolicy | None) -> Started:
+    run_id = env.admission.submit("t", {"x": 1}, policy)
+    worker = register(env)
+    (fence,) = worker.take_all()
+    return Started(env=env, worker=worker, run_id=run_id, fence=fence)
+
+
+def failed_item(started: Started, now: str, *, retry: bool, due: str | None) -> dict[str, Any]:
+    """A failing completion as the ingress store sends it: to ``retry_wait`` due at ``due``,
+    or to ``failed``."""
+    item = started.complete_item(now)
+    item["attempt"]["to"]["status"] = "failed"
+    item["attempt"]["to"]["error"] = "boom"
+    data: dict[str, Any] = {"error": "boom", "cause": "error", "retry": retry}
+    if retry:
+        item["run"]["to"] = {"status": "retry_wait", "next_attempt_at": due, "updated_at": now}
+        data.update({"next_attempt_at_ms": 0, "next_attempt": 2})
+    else:
+        item["run"]["to"] = {"status": "failed", "error": "boom", "updated_at": now}
+        data["reason"] = "no_policy"
+    item["event"]["type"] = "attempt_failed"
+    item["event"]["data"] = data
+    return item
+
+
+def test_a_failure_the_stored_policy_retries_goes_to_retry_wait(
+    env: Env, role_connection: Connection
+) -> None:
+    started = started_with(env, RETRY_ON_ERROR)
+    now = now_of(role_connection)
+    item = failed_item(started, now, retry=True, due=later(now, seconds=1))
+    assert call(role_connection, "ql3_ingress_apply", [item]) == [(1, "ok", None)]
+    assert run_status(env, started.run_id) == "retry_wait"
+    with env.admin.unit_of_work() as uow:
+        run = uow.runs.get_run(started.run_id)
+    assert run is not None and run.next_attempt_at_ms is not None
+
+
+@pytest.mark.parametrize(
+    ("policy", "retry", "due", "changes", "detail"),
+    [
+        # the Run's stored policy does not retry on error
+        (None, True, {"seconds": 1}, {}, "does not retry"),
+        (
+            RetryPolicy(retry_on_lost=True, max_attempts=3, safety=Safety.IDEMPOTENT),
+            True,
+            {"seconds": 1},
+            {},
+            "does not retry",
+        ),
+        (evolve(RETRY_ON_ERROR, max_attempts=1), True, {"seconds": 1}, {}, "does not retry"),
+        # the due time is past the backoff cap, or before now
+        (RETRY_ON_ERROR, True, {"seconds": 11}, {}, "backoff cap"),
+        (RETRY_ON_ERROR, True, {"seconds": -60}, {}, "backoff cap"),
+        (RETRY_ON_ERROR, True, None, {}, "backoff cap"),
+        # the event says otherwise, or a plain failure sets a due time
+        (RETRY_ON_ERROR, True, {"seconds": 1}, {"event.data.retry": False}, "whether it is"),
+        (None, False, None, {"event.data.retry": True}, "whether it is"),
+        (None, False, None, {"event.data.extra": 1}, "may not change extra"),
+        (
+            None,
+            False,
+            None,
+            {"run.to.next_attempt_at": "2999-01-01T00:00:00+00:00"},
+            "only a retry",
+        ),
+        (RETRY_ON_ERROR, True, {"seconds": 1}, {"run.to.output": {"x": 1}}, "no output"),
+        (RETRY_ON_ERROR, True, {"seconds": 1}, {"attempt.to.status": "succeeded"}, "complete"),
+    ],
+)
+def test_forged_retries_are_refused_and_change_nothing(
+    env: Env,
+    role_connection: Connection,
+    policy: RetryPolicy | None,
+    retry: bool,
+    due: dict[str, float] | None,
+    changes: dict[str, Any],
+    detail: str,
+) -> None:
+    started = started_with(env, policy)
+    before = env.dump()
+    now = now_of(role_connection)
+    item = failed_item(
+        started, now, retry=retry, due=later(now, **due) if due is not None else None
+    )
+    for path, value in changes.items():
+        item = _forge(item, path, value)
+    ((_, got, message),) = call(role_connection, "ql3_ingress_apply", [item])
+    assert got == "refused"
+    assert message is not None and detail in message
+    assert env.dump() == before

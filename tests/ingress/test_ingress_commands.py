@@ -36,6 +36,7 @@ from domain.model import (
     RunStatus,
     SessionStatus,
 )
+from domain.policy import Backoff, RetryPolicy, Safety
 from domain.transitions import claim, complete
 from tests.ingress.support import (
     LEASE_TTL_MS,
@@ -421,6 +422,34 @@ def test_a_failed_completion_fails_the_run(env: Env) -> None:
         [AttemptStatus.FAILED],
         "attempt_failed",
     )
+
+
+def test_a_failed_completion_that_retries_on_error_waits_for_its_next_attempt(
+    env: Env,
+) -> None:
+    policy = RetryPolicy(
+        retry_on_error=True,
+        max_attempts=2,
+        safety=Safety.DEDUPLICATED,
+        backoff=Backoff(initial_ms=1_000, cap_ms=1_000),
+    )
+    run_id = env.admission.submit("t", None, policy, timeout_ms=1_500)
+    worker = register(env)
+    (grant,) = worker.claim(1).grants
+    assert grant.timeout_ms == 1_500
+    result = worker.complete(grant.fence, succeeded=False, error="bad")
+    assert result.outcome is BatchOutcome.FAILED
+    status, attempts, events = run_state(env, run_id)
+    assert (status, attempts, events[-1]) == (
+        RunStatus.RETRY_WAIT,
+        [AttemptStatus.FAILED],
+        "attempt_failed",
+    )
+    with env.admin.unit_of_work() as uow:
+        run = uow.runs.get_run(run_id)
+        (event,) = [e.event for e in uow.runs.events_of(run_id)][-1:]
+    assert run is not None and run.next_attempt_at_ms == event.at_ms + 1_000
+    assert event.data["retry"] is True and event.data["next_attempt"] == 2
 
 
 def test_batches_answer_per_item_and_a_refused_item_changes_nothing(

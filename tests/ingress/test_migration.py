@@ -1,7 +1,7 @@
-"""Migrations ``0002_ingress`` and ``0005_ingress_claim`` install the ingress functions and their
-downgrades put back what was there before; the constants frozen in them are the application's
-(advisory lock namespace, notification channel, status sets) and every transition the functions
-take is an edge of the domain's state diagrams."""
+"""Migrations ``0002_ingress``, ``0005_ingress_claim`` and ``0010_ingress_outcomes`` install the
+ingress functions and their downgrades put back what was there before; the constants frozen in
+them are the application's (advisory lock namespace, notification channel, status and safety
+sets) and every transition the functions take is an edge of the domain's state diagrams."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from adapters.postgres import queries
 from adapters.postgres.migrate import MIGRATIONS, alembic_config, current_revision, upgrade
 from domain.events import EventType
 from domain.model import AttemptStatus, RunStatus
+from domain.policy import RETRYABLE_SAFETY
 from domain.states import (
     ATTEMPT_EDGES,
     CLAIMABLE_RUN_STATUSES,
@@ -116,3 +117,60 @@ def test_every_transition_the_functions_take_is_an_edge_of_the_domain() -> None:
                 status,
                 attempt_to,
             )
+
+
+def test_the_outcomes_revision_edits_the_claim_revisions_function(
+    pg_server: PostgresServer,
+) -> None:
+    name = random_name("ql3_migrate_")
+    url = create_database(pg_server, name)
+    engine = create_engine(url, poolclass=NullPool)
+    try:
+        upgrade(url, "0009_job_columns")
+        with engine.connect() as connection:
+            before = connection.execute(text(APPLY_ONE)).scalar_one()
+        upgrade(url, "0010_ingress_outcomes")
+        with engine.connect() as connection:
+            after = connection.execute(text(APPLY_ONE)).scalar_one()
+            functions = connection.execute(text(FUNCTIONS)).scalar_one()
+        assert "retry_wait" not in before and "retry_wait" in after
+        assert "next_attempt_at" in after
+        _downgrade(engine, "0009_job_columns")
+        with engine.connect() as connection:
+            assert connection.execute(text(APPLY_ONE)).scalar_one() == before
+            assert connection.execute(text(FUNCTIONS)).scalar_one() == functions
+    finally:
+        engine.dispose()
+        drop_database(pg_server, name)
+
+
+def test_the_outcomes_revisions_frozen_lists_are_the_domains() -> None:
+    r0010 = _revision("r0010_ingress_outcomes")
+    assert values(STARTED_ATTEMPT_STATUSES) == r0010.STARTED_ATTEMPT_STATUSES
+    assert tuple(sorted(s.value for s in RETRYABLE_SAFETY)) == r0010.RETRYABLE_SAFETY
+    assert {EventType(kind) for kind in r0010.WORKER_TRANSITIONS} <= {
+        EventType(kind) for kind in _revision("r0005_ingress_claim").WORKER_EVENTS
+    }
+    for kind, (runs_from, runs_to, attempts_from, attempt_to) in r0010.WORKER_TRANSITIONS.items():
+        for status in runs_from:
+            for run_to in runs_to:
+                assert RunStatus(run_to) in RUN_EDGES[RunStatus(status)], (kind, status, run_to)
+        for status in attempts_from:
+            assert AttemptStatus(attempt_to) in ATTEMPT_EDGES[AttemptStatus(status)], (
+                kind,
+                status,
+                attempt_to,
+            )
+    # the failing completion's event keys are the ones the domain writes
+    from domain.policy import RetryPolicy, Safety
+    from domain.transitions import complete
+    from tests.domain.builders import running
+
+    keys: set[str] = set()
+    retrying = RetryPolicy(retry_on_error=True, max_attempts=2, safety=Safety.IDEMPOTENT)
+    for policy in (None, retrying):
+        run, attempt, lease, fence = running(policy=policy)
+        change = complete(run=run, attempt=attempt, lease=lease, fence=fence, succeeded=False,
+                          output=None, error="boom", now_ms=lease.granted_at_ms + 1)
+        keys |= set(change.event.data)
+    assert keys == set(r0010.FAILED_EVENT_KEYS)

@@ -62,7 +62,7 @@ class Diagram:
 
 
 DIAGRAMS = {
-    "run": Diagram(RunStatus, "R", "RUN_EDGE", RUN_EDGES, modelled_edges=14),
+    "run": Diagram(RunStatus, "R", "RUN_EDGE", RUN_EDGES, modelled_edges=15),
     "attempt": Diagram(AttemptStatus, "A", "ATTEMPT_EDGE", ATTEMPT_EDGES, modelled_edges=7),
 }
 

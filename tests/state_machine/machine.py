@@ -114,8 +114,8 @@ Item = tuple["Held", LeaseFence]
 Expect = tuple[str, str, str | None]
 
 
-def policies() -> st.SearchStrategy[RetryPolicy | None]:
-    backoffs = st.builds(
+def backoffs() -> st.SearchStrategy[Backoff]:
+    return st.builds(
         lambda initial, extra, mult: Backoff(
             initial_ms=initial, multiplier=mult, cap_ms=initial + extra
         ),
@@ -123,29 +123,114 @@ def policies() -> st.SearchStrategy[RetryPolicy | None]:
         st.sampled_from([0, 500, 5_000]),
         st.sampled_from([1.0, 2.0]),
     )
+
+
+def policies() -> st.SearchStrategy[RetryPolicy | None]:
     safe = st.builds(
         RetryPolicy,
         retry_on_lost=st.just(True),
         max_attempts=st.integers(2, 4),
         safety=st.sampled_from([Safety.IDEMPOTENT, Safety.DEDUPLICATED]),
-        backoff=backoffs,
+        backoff=backoffs(),
     )
-    return safe | st.none() | st.builds(
+    return safe | st.none() | error_policies() | st.builds(
         RetryPolicy,
         retry_on_lost=st.booleans(),
         max_attempts=st.integers(1, 4),
         safety=st.sampled_from([None, Safety.IDEMPOTENT, Safety.DEDUPLICATED, Safety.UNSAFE]),
-        backoff=backoffs,
+        backoff=backoffs(),
     )
 
 
 def retry_safe(policy: RetryPolicy | None) -> bool:
+    """The policy may retry at all: on lost Attempts or on errors, declared safe to repeat."""
     return (
         policy is not None
-        and policy.retry_on_lost
+        and (policy.retry_on_lost or policy.retry_on_error)
         and policy.max_attempts >= 2
         and policy.safety in RETRYABLE_SAFETY
     )
+
+
+# --- retry on error and execution timeouts (ADR 0013) ------------------------------------------
+
+TIMEOUTS = st.sampled_from([None, 100, 2_500])
+TIMED_OUT_ERRORS = {100: "timed out after 0.1 s", 2_500: "timed out after 2.5 s"}
+
+
+def error_policies() -> st.SearchStrategy[RetryPolicy]:
+    """Policies that retry on error (only idempotent or deduplicated work may)."""
+    return st.builds(
+        RetryPolicy,
+        retry_on_lost=st.booleans(),
+        retry_on_error=st.just(True),
+        max_attempts=st.integers(1, 4),
+        safety=st.sampled_from([Safety.IDEMPOTENT, Safety.DEDUPLICATED]),
+        backoff=backoffs(),
+    )
+
+
+def retried_on_error(policy: RetryPolicy | None, attempt_number: int) -> bool:
+    """An independent statement of the retry decision for a failed or timed-out Attempt."""
+    return (
+        policy is not None
+        and policy.retry_on_error
+        and policy.safety in RETRYABLE_SAFETY
+        and attempt_number < policy.max_attempts
+    )
+
+
+def check_failure_effect(rb: RunView, ra: RunView, attempt_b: Attempt, attempt_a: Attempt,
+                         lease_b: DispatchLease, released_at: int | None,
+                         timed_out: bool) -> None:
+    """A failing completion: the Attempt failed with its error (the timeout's for a timeout),
+    the Run ``retry_wait`` due after the backoff when the policy retries on error, else
+    ``failed``; one ``attempt_failed`` event that says which."""
+    assert released_at is not None
+    run = rb.run
+    error = "task error"
+    if timed_out and run.timeout_ms is not None:
+        error = TIMED_OUT_ERRORS[run.timeout_ms]
+    retry = retried_on_error(run.policy, attempt_b.number)
+    if retry:
+        assert run.policy is not None
+        due = released_at + run.policy.backoff.delay_ms(run.id, attempt_b.number)
+        assert ra.run == evolve(run, status=RunStatus.RETRY_WAIT, output=None, error=None,
+                                next_attempt_at_ms=due, updated_at_ms=released_at)
+    else:
+        assert ra.run == evolve(run, status=RunStatus.FAILED, output=None, error=error,
+                                updated_at_ms=released_at)
+    assert attempt_a == evolve(
+        attempt_b,
+        status=AttemptStatus.FAILED,
+        lease_version=lease_b.version + 1,
+        finished_at_ms=released_at,
+        error=error,
+        updated_at_ms=released_at,
+    )
+    data = _one_event(rb, ra, EventType.ATTEMPT_FAILED, attempt_b.id)
+    assert data["error"] == error and data["retry"] is retry
+    assert data["cause"] == ("timeout" if timed_out else "error")
+    if retry:
+        assert (data["next_attempt"], data["next_attempt_at_ms"]) == (
+            attempt_b.number + 1, ra.run.next_attempt_at_ms
+        )
+    _count(f"failure:{data['cause']}:{'retry' if retry else data['reason']}")
+
+
+def check_retry_causes(rv: RunView) -> None:
+    """Every Attempt but the latest ended so that the policy retried it: failed (or timed out)
+    only under retry on error, lost only under retry on lost; work that is not declared safe to
+    repeat has one Attempt."""
+    policy = rv.run.policy
+    for attempt in rv.attempts[:-1]:
+        assert policy is not None and policy.safety in RETRYABLE_SAFETY, rv.run
+        if attempt.status is AttemptStatus.FAILED:
+            assert policy.retry_on_error, (rv.run, attempt)
+        else:
+            assert attempt.status is AttemptStatus.LOST and policy.retry_on_lost, attempt
+    if len(rv.attempts) > 1 and any(a.status is AttemptStatus.FAILED for a in rv.attempts):
+        _count("retried_on_error")
 
 
 @dataclass(frozen=True)
@@ -327,7 +412,7 @@ def _replay(events: Sequence[tuple[Any, ...]]) -> tuple[RunStatus | None, dict[s
     event stream implies; every event must be a change."""
     status: RunStatus | None = None
     attempts: dict[str, tuple[AttemptStatus, bool]] = {}
-    for _, kind, attempt_id, _data in events:
+    for _, kind, attempt_id, data in events:
         before = (status, dict(attempts))
         event = EventType(kind)
         assert event not in LEGACY_EVENTS, f"{kind} is written only by the offer protocol"
@@ -363,6 +448,8 @@ def _replay(events: Sequence[tuple[Any, ...]]) -> tuple[RunStatus | None, dict[s
                 False,
             )
             status = RunStatus.SUCCEEDED if ok else RunStatus.FAILED
+            if not ok and data.get("retry"):  # retried on error (ADR 0013)
+                status = RunStatus.RETRY_WAIT
         elif event is EventType.ATTEMPT_LOST:
             assert current is not None and not current[0].is_terminal
             attempts[attempt_id] = (AttemptStatus.LOST, False)  # type: ignore[index]
@@ -568,27 +655,28 @@ def make_machine(
                 return
             released_at = lease_a.released_at_ms
             self.check_times(released_at, now, later)
-            if outcome in ("succeeded", "failed"):
-                ok = outcome == "succeeded"
-                error = None if ok else "task error"
+            if outcome == "failed":
+                check_failure_effect(rb, ra, attempt_b, attempt_a, lease_b, released_at,
+                                     command == "complete_timeout")
+                reason = ReleaseReason.COMPLETED
+            elif outcome == "succeeded":
                 assert ra.run == evolve(
                     rb.run,
-                    status=RunStatus.SUCCEEDED if ok else RunStatus.FAILED,
-                    output={"ok": ok} if ok else None,
-                    error=error,
+                    status=RunStatus.SUCCEEDED,
+                    output={"ok": True},
+                    error=None,
                     updated_at_ms=released_at,
                 )
                 assert attempt_a == evolve(
                     attempt_b,
-                    status=AttemptStatus.SUCCEEDED if ok else AttemptStatus.FAILED,
+                    status=AttemptStatus.SUCCEEDED,
                     lease_version=lease_b.version + 1,
                     finished_at_ms=released_at,
-                    error=error,
+                    error=None,
                     updated_at_ms=released_at,
                 )
                 reason = ReleaseReason.COMPLETED
-                kind = EventType.ATTEMPT_SUCCEEDED if ok else EventType.ATTEMPT_FAILED
-                _one_event(rb, ra, kind, fence.attempt_id)
+                _one_event(rb, ra, EventType.ATTEMPT_SUCCEEDED, fence.attempt_id)
             elif outcome == "released":
                 assert ra.run == evolve(rb.run, status=RunStatus.QUEUED, updated_at_ms=released_at)
                 assert attempt_a == evolve(
@@ -687,17 +775,19 @@ def make_machine(
         def admit_runs(self, tasks: list[str], policy: RetryPolicy | None) -> Any:
             return multiple(*self.admit_many(tasks, policy))
 
-        def admit_many(self, tasks: list[str], policy: RetryPolicy | None) -> list[str]:
+        def admit_many(self, tasks: list[str], policy: RetryPolicy | None,
+                       timeout_ms: int | None = None) -> list[str]:
             before = self.current()
             run_ids = self.admission.submit_many(
-                [AdmissionRequest(task=task, input={"task": task}, policy=policy)
+                [AdmissionRequest(task=task, input={"task": task}, policy=policy,
+                                  timeout_ms=timeout_ms)
                  for task in tasks]
             )
             after = self.view()
             for run_id, task in zip(run_ids, tasks, strict=True):
                 run = after.runs[run_id]
-                assert (run.run.status, run.run.task, run.run.policy) == (
-                    RunStatus.QUEUED, task, policy
+                assert (run.run.status, run.run.task, run.run.policy, run.run.timeout_ms) == (
+                    RunStatus.QUEUED, task, policy, timeout_ms
                 )
                 assert len(run.attempts) == 1 and run.attempts[0].is_pristine
                 assert [e[1] for e in run.events] == [EventType.RUN_ADMITTED.value]
@@ -1036,6 +1126,24 @@ def make_machine(
                           pool_of: str) -> None:
             self.fenced_batch("abandon", first, caller, picks, pool_of)
 
+        # --- retry on error and execution timeouts (ADR 0013) -------------------------------
+
+        @rule(target=runs, tasks=st.lists(st.sampled_from(TASKS), min_size=1, max_size=2),
+              policy=error_policies() | policies(), timeout=TIMEOUTS)
+        def admit_retried_runs(self, tasks: list[str], policy: RetryPolicy | None,
+                               timeout: int | None) -> Any:
+            """Runs that retry on error, some with an execution timeout."""
+            return multiple(*self.admit_many(tasks, policy, timeout))
+
+        @precondition(lambda self: bool(self.fences))
+        @rule(first=st.integers(0, 63), caller=CALLERS, picks=BATCH, pool_of=POOLS,
+              timed_out=st.booleans())
+        def task_failures(self, first: int, caller: int | None, picks: Picks, pool_of: str,
+                          timed_out: bool) -> None:
+            """Workers report their tasks raised, or ran past their timeout and were stopped."""
+            command = "complete_timeout" if timed_out else "complete_failed"
+            self.fenced_batch(command, first, caller, picks, pool_of)
+
         def fenced_batch(self, command: str, first: int, caller: int | None, picks: Picks,
                          pool_of: str) -> None:
             """A batch of up to three items through one session: the holder of a live lease
@@ -1062,7 +1170,8 @@ def make_machine(
                     ok = command == "complete_ok"
                     return w.complete_many(caller, secret, [
                         Completion(fence=f, succeeded=ok, output={"ok": ok} if ok else None,
-                                   error=None if ok else "task error") for f in fences])
+                                   error=None if ok else "task error",
+                                   timed_out=command == "complete_timeout") for f in fences])
                 if command == "release":
                     return w.release_many(caller, secret, [Release(fence=f) for f in fences])
                 return w.abandon_many(caller, secret,
@@ -1370,6 +1479,7 @@ def make_machine(
                 if not retry_safe(run.policy):
                     assert len(claimed) <= 1
                     assert len(attempts) == 1
+                check_retry_causes(rv)
             # a session never holds more leased leases than its capacity
             for session_id, count in leased_by_session.items():
                 assert count <= view.sessions[session_id].capacity, (session_id, count)
