@@ -20,7 +20,7 @@ The pytest fixtures of :mod:`ql3.pytest_plugin` build one per test (ADR 0009).""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, cast
@@ -188,8 +188,8 @@ class InMemoryRuntime(Runtime):
         """Runs admitted in a SQLAlchemy ``Session`` or ``Connection`` of the application's own
         database reach the memory store when that transaction commits, and never when it rolls
         back (the memory store cannot join it, so it follows it)."""
-        pending = _PendingAdmission(self.clock)
         store = cast(MemoryStore, self.store)
+        pending = _PendingAdmission(self.clock, store)
 
         def committed() -> None:
             with store.unit_of_work() as uow:
@@ -216,6 +216,7 @@ class _PendingAdmission:
     """A unit of work that keeps the admitted changes until the caller's transaction commits."""
 
     clock: FakeClock
+    store: MemoryStore
     changes: list[Change] = field(default_factory=list)
 
     @property
@@ -224,6 +225,16 @@ class _PendingAdmission:
 
     def add_many(self, changes: list[Change]) -> None:
         self.changes.extend(changes)
+
+    def unfinished_with_keys(self, keys: Sequence[str]) -> Mapping[str, str]:
+        """The keys held in the store now, and by the runs admitted in this transaction."""
+        with self.store.unit_of_work() as uow:
+            held = dict(uow.runs.unfinished_with_keys(keys))
+        for change in self.changes:
+            key = change.run.unique_key
+            if key is not None and key in keys:
+                held.setdefault(key, change.run.id)
+        return held
 
     def now_ms(self) -> int:
         return self.clock.now_ms()
