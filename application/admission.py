@@ -3,11 +3,13 @@ cancellation."""
 
 from __future__ import annotations
 
+import datetime as dt
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from application.ports import Identities, UnitOfWork, UnitOfWorkFactory
-from domain.errors import ConcurrencyConflict, InvalidTransition
+from domain.errors import ConcurrencyConflict, InvalidAdmission, InvalidTransition
 from domain.model import JsonValue, RunOwner
 from domain.policy import RetryPolicy
 from domain.states import WAITING_RUN_STATUSES
@@ -21,6 +23,29 @@ KEY_ROUNDS = 3
 
 class UnknownRun(LookupError):
     """No Run with that id."""
+
+
+def delay_ms(delay: float | dt.timedelta) -> int:
+    """A delay (seconds, or a ``timedelta``) in whole milliseconds; a negative, infinite or
+    non-numeric one is refused."""
+    if isinstance(delay, dt.timedelta):
+        seconds = delay.total_seconds()
+    elif isinstance(delay, (int, float)) and not isinstance(delay, bool):
+        seconds = float(delay)
+    else:
+        raise InvalidAdmission("a delay is a number of seconds or a timedelta")
+    if not math.isfinite(seconds) or seconds < 0:
+        raise InvalidAdmission("a delay must be a finite, non-negative number of seconds")
+    return round(seconds * 1000)
+
+
+def epoch_ms(moment: dt.datetime) -> int:
+    """A due time in epoch milliseconds; a naive ``datetime`` is taken as UTC."""
+    if not isinstance(moment, dt.datetime):
+        raise InvalidAdmission("a due time is a datetime")
+    if moment.tzinfo is None or moment.utcoffset() is None:
+        moment = moment.replace(tzinfo=dt.UTC)
+    return round(moment.timestamp() * 1000)
 
 
 @dataclass(frozen=True, slots=True)

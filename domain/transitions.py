@@ -174,12 +174,8 @@ def admit(
         raise InvalidAdmission("policy must be a RetryPolicy")
     if isinstance(priority, bool) or not MIN_PRIORITY <= priority <= MAX_PRIORITY:
         raise InvalidAdmission(f"priority must be an integer within {MIN_PRIORITY}..{MAX_PRIORITY}")
-    if unique_key is not None and (
-        not unique_key or len(unique_key) > MAX_UNIQUE_KEY_LENGTH or "\x00" in unique_key
-    ):
-        raise InvalidAdmission(
-            f"a unique key must be 1..{MAX_UNIQUE_KEY_LENGTH} characters, without NUL"
-        )
+    if unique_key is not None:
+        check_unique_key(unique_key)
     if timeout_ms is not None and (isinstance(timeout_ms, bool) or timeout_ms < 1):
         raise InvalidAdmission("a timeout must be a positive number of milliseconds")
     if run_after_ms is not None and (
@@ -223,6 +219,19 @@ def admit(
         lease=None,
         event=_event(run, first, EventType.RUN_ADMITTED, now_ms, data),
     )
+
+
+def check_unique_key(unique_key: str) -> None:
+    """Refuse a unique key no store keeps: empty, too long, not text or holding NUL."""
+    if (
+        not isinstance(unique_key, str)
+        or not unique_key
+        or len(unique_key) > MAX_UNIQUE_KEY_LENGTH
+        or "\x00" in unique_key
+    ):
+        raise InvalidAdmission(
+            f"a unique key must be 1..{MAX_UNIQUE_KEY_LENGTH} characters, without NUL"
+        )
 
 
 def due_time(now_ms: int, *, delay_ms: int | None, run_after_ms: int | None) -> int | None:

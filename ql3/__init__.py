@@ -19,6 +19,7 @@ from ql3.runtime import (
     RunInfo,
     Runtime,
     Submission,
+    Submitted,
     UnsupportedTransaction,
     WaitTimeout,
 )
@@ -38,6 +39,7 @@ __all__ = [
     "Safety",
     "StandaloneRuntime",
     "Submission",
+    "Submitted",
     "TaskContext",
     "TaskDefinition",
     "TaskRegistry",

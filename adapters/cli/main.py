@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import json
+import math
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -153,6 +155,19 @@ db.add_command(db_cmds.grant_ingress_command)
 @click.option("--retry-on-lost", is_flag=True)
 @click.option("--max-attempts", type=int, default=None)
 @click.option("--backoff-initial", type=float, default=None, help="Seconds.")
+@click.option(
+    "--delay", type=float, default=None, help="Claimable this many seconds after admission."
+)
+@click.option(
+    "--run-after",
+    default=None,
+    help="Claimable from this ISO 8601 time (without an offset: UTC).",
+)
+@click.option(
+    "--unique-key",
+    default=None,
+    help="While an unfinished run holds this key, answer with it and write nothing.",
+)
 @database_option
 @json_option
 def submit(
@@ -162,10 +177,14 @@ def submit(
     retry_on_lost: bool,
     max_attempts: int | None,
     backoff_initial: float | None,
+    delay: float | None,
+    run_after: str | None,
+    unique_key: str | None,
     database_url: str | None,
     as_json: bool,
 ) -> None:
-    """Admit a run of TASK."""
+    """Admit a run of TASK, at once or delayed (--delay or --run-after); with --unique-key, at
+    most one unfinished run per key."""
     try:
         payload = json.loads(input_json)
     except json.JSONDecodeError as error:
@@ -181,9 +200,51 @@ def submit(
             safety=Safety(safety) if safety else None,
             backoff=Backoff(initial_ms=initial_ms, cap_ms=max(initial_ms, 300_000)),
         )
+    delay_ms, run_after_ms = _submit_timing(delay, run_after)
+    if unique_key is not None:
+        from domain.transitions import check_unique_key
+
+        check_unique_key(unique_key)
+    from application.admission import AdmissionRequest
+
+    request = AdmissionRequest(
+        task=task,
+        input=payload,
+        policy=policy,
+        unique_key=unique_key,
+        delay_ms=delay_ms,
+        run_after_ms=run_after_ms,
+    )
     with _producer(database_url) as producer:
-        run_id = producer.admission.submit(task, payload, policy)
-    _emit(as_json, {"run_id": run_id}, lambda: click.echo(run_id))
+        admitted = producer.admission.admit_many([request])[0]
+    run_id = admitted.run_id
+
+    def text() -> None:
+        click.echo(run_id)
+        if admitted.existing:
+            click.echo(f"existing run: an unfinished run holds unique key {unique_key}", err=True)
+
+    _emit(as_json, {"run_id": run_id, "existing": admitted.existing}, text)
+
+
+def _submit_timing(delay: float | None, run_after: str | None) -> tuple[int | None, int | None]:
+    """The delay and the due time of ``ql3 submit`` in milliseconds (at most one of them);
+    bad input is a usage error."""
+    from application.admission import delay_ms, epoch_ms
+
+    if delay is not None and run_after is not None:
+        _fail_usage("give --delay or --run-after, not both")
+    if delay is not None:
+        if not math.isfinite(delay) or delay < 0:
+            _fail_usage("--delay must be a finite number of seconds >= 0")
+        return delay_ms(delay), None
+    if run_after is not None:
+        try:
+            moment = dt.datetime.fromisoformat(run_after)
+        except ValueError:
+            _fail_usage(f"--run-after is not an ISO 8601 time: {run_after!r}")
+        return None, epoch_ms(moment)
+    return None, None
 
 
 @cli.group()

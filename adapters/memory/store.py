@@ -239,12 +239,12 @@ def _install(state: _State, writes: _Writes, change: Change) -> None:
     """Write checked rows and append the change's event. ``state`` must be writable."""
     if writes.run is not None:
         state.runs[writes.run.id] = writes.run
-        key = writes.run.unique_key
-        if key is not None:
+        unique_key = writes.run.unique_key
+        if unique_key is not None:
             if not writes.run.status.is_terminal:
-                state.unique_keys[key] = writes.run.id
-            elif state.unique_keys.get(key) == writes.run.id:
-                del state.unique_keys[key]
+                state.unique_keys[unique_key] = writes.run.id
+            elif state.unique_keys.get(unique_key) == writes.run.id:
+                del state.unique_keys[unique_key]
     touched_runs: set[str] = set()
     for attempt in writes.attempts.values():
         state.attempts[attempt.id] = attempt
