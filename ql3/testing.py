@@ -189,15 +189,29 @@ class InMemoryRuntime(Runtime):
         database reach the memory store when that transaction commits, and never when it rolls
         back (the memory store cannot join it, so it follows it)."""
         store = cast(MemoryStore, self.store)
-        pending = _PendingAdmission(self.clock, store)
+        # One pending admission per transaction (and runtime): a unique key admitted earlier in
+        # the same transaction is held for the later submits of it.
+        slot = ("ql3.pending_admission", id(self))
+        info = getattr(transaction, "info", None)
+        pending = info.get(slot) if isinstance(info, dict) else None
+        if pending is None:
+            fresh = _PendingAdmission(self.clock, store)
 
-        def committed() -> None:
-            with store.unit_of_work() as uow:
-                uow.runs.add_many(pending.changes)
-                uow.commit()
+            def committed() -> None:
+                with store.unit_of_work() as uow:
+                    uow.runs.add_many(fresh.changes)
+                    uow.commit()
 
-        _follow(transaction, committed)
-        return self._producer.admission_in(lambda: pending)
+            def settled() -> None:
+                if isinstance(info, dict):
+                    info.pop(slot, None)
+
+            _follow(transaction, committed, settled)
+            if isinstance(info, dict):
+                info[slot] = fresh
+            pending = fresh
+        chosen: _PendingAdmission = pending
+        return self._producer.admission_in(lambda: chosen)
 
     def _start(self) -> None:
         return None
@@ -254,9 +268,12 @@ class _PendingAdmission:
         return None
 
 
-def _follow(transaction: object, committed: Callable[[], None]) -> None:
+def _follow(
+    transaction: object, committed: Callable[[], None], settled: Callable[[], None]
+) -> None:
     """Call ``committed`` once when the SQLAlchemy ``Session`` or ``Connection`` commits its
-    transaction; forget it when the transaction rolls back."""
+    transaction; forget it when the transaction rolls back. ``settled`` is called after
+    either."""
     from sqlalchemy import Connection, event
     from sqlalchemy.orm import Session
 
@@ -270,17 +287,20 @@ def _follow(transaction: object, committed: Callable[[], None]) -> None:
             f"not {type(transaction).__name__}"
         )
 
-    settled = False  # listeners cannot be removed while their event runs: they go quiet
+    done = False  # listeners cannot be removed while their event runs: they go quiet
 
     def on_commit(*_args: object) -> None:
-        nonlocal settled
-        if not settled:
-            settled = True
+        nonlocal done
+        if not done:
+            done = True
+            settled()
             committed()
 
     def on_rollback(*_args: object) -> None:
-        nonlocal settled
-        settled = True
+        nonlocal done
+        if not done:
+            done = True
+            settled()
 
     event.listen(transaction, commit_event, on_commit)
     event.listen(transaction, rollback_event, on_rollback)
