@@ -47,6 +47,7 @@ class RunView:
             "parent_run_id": run.parent_run_id,
             "attempt_count": run.attempt_count,
             "next_attempt_at_ms": run.next_attempt_at_ms,
+            "unique_key": run.unique_key,
             "created_at_ms": run.created_at_ms,
             "updated_at_ms": run.updated_at_ms,
             "quarantine": None

@@ -304,6 +304,10 @@ def runs_show(run_id: str, database_url: str | None, as_json: bool) -> None:
         click.echo(f"run {view.run.id}  task {view.run.task}  status {view.run.status.value}")
         if view.run.error:
             click.echo(f"  error: {view.run.error}")
+        if view.run.next_attempt_at_ms is not None:
+            click.echo(f"  next attempt due at {_iso(view.run.next_attempt_at_ms)}")
+        if view.run.unique_key is not None:
+            click.echo(f"  unique key: {view.run.unique_key}")
         if view.run.quarantine:
             q = view.run.quarantine
             click.echo(f"  quarantined since {_iso(q.since_ms)}: {q.reason}")

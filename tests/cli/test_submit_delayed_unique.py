@@ -49,7 +49,9 @@ def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 def test_delay_admits_a_waiting_run_due_that_many_seconds_later(
     capsys: pytest.CaptureFixture[str], url: str
 ) -> None:
-    code, out, err = _ql3(capsys, "submit", "mail", "--delay", "90", "--database-url", url, "--json")
+    code, out, err = _ql3(
+        capsys, "submit", "mail", "--delay", "90", "--database-url", url, "--json"
+    )
     assert code == 0, err
     answer = json.loads(out)
     assert answer["existing"] is False
