@@ -1,22 +1,51 @@
-"""Admission of Runs (single and in bulk) and cancellation."""
+"""Admission of Runs (single and in bulk), delayed and unique submissions (ADR 0015), and
+cancellation."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import datetime as dt
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from application.ports import Identities, UnitOfWorkFactory
-from domain.errors import InvalidTransition
+from application.ports import Identities, UnitOfWork, UnitOfWorkFactory
+from domain.errors import ConcurrencyConflict, InvalidAdmission, InvalidTransition
 from domain.model import JsonValue, RunOwner
 from domain.policy import RetryPolicy
 from domain.states import WAITING_RUN_STATUSES
-from domain.transitions import admit, cancel
+from domain.transitions import Change, admit, cancel, due_time
 
 MAX_BATCH = 10_000
+# How often one admission reads the unique keys again after another transaction took one of
+# them between its read and its insert (each time at least one more key is found taken).
+KEY_ROUNDS = 3
 
 
 class UnknownRun(LookupError):
     """No Run with that id."""
+
+
+def delay_ms(delay: float | dt.timedelta) -> int:
+    """A delay (seconds, or a ``timedelta``) in whole milliseconds; a negative, infinite or
+    non-numeric one is refused."""
+    if isinstance(delay, dt.timedelta):
+        seconds = delay.total_seconds()
+    elif isinstance(delay, (int, float)) and not isinstance(delay, bool):
+        seconds = float(delay)
+    else:
+        raise InvalidAdmission("a delay is a number of seconds or a timedelta")
+    if not math.isfinite(seconds) or seconds < 0:
+        raise InvalidAdmission("a delay must be a finite, non-negative number of seconds")
+    return round(seconds * 1000)
+
+
+def epoch_ms(moment: dt.datetime) -> int:
+    """A due time in epoch milliseconds; a naive ``datetime`` is taken as UTC."""
+    if not isinstance(moment, dt.datetime):
+        raise InvalidAdmission("a due time is a datetime")
+    if moment.tzinfo is None or moment.utcoffset() is None:
+        moment = moment.replace(tzinfo=dt.UTC)
+    return round(moment.timestamp() * 1000)
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,10 +56,24 @@ class AdmissionRequest:
     priority: int = 0
     unique_key: str | None = None
     timeout_ms: int | None = None
+    # ADR 0015: a delay from the store's clock at admission, or a due time (epoch ms), not both
+    delay_ms: int | None = None
+    run_after_ms: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    """The answer to one request: its Run's id, and whether that Run existed already (an
+    unfinished Run held the request's unique key, and nothing was written for it)."""
+
+    run_id: str
+    existing: bool = False
 
 
 class Admission:
-    """Admits Runs: each a ``queued`` Run with a pristine Attempt 1 and its policy snapshot."""
+    """Admits Runs: each a ``queued`` Run with a pristine Attempt 1 and its policy snapshot, or,
+    delayed, a ``retry_wait`` Run due at its time (ADR 0015). A request whose unique key an
+    unfinished Run holds is answered with that Run, and nothing is written for it."""
 
     def __init__(self, uow_factory: UnitOfWorkFactory, identities: Identities) -> None:
         self._uow_factory = uow_factory
@@ -49,29 +92,67 @@ class Admission:
         )[0]
 
     def submit_many(self, requests: Sequence[AdmissionRequest]) -> list[str]:
-        """Admit a batch in one transaction: all or none."""
+        """Admit a batch in one transaction: all or none. The ids in order (for a request whose
+        unique key was held, the holder's)."""
+        return [answer.run_id for answer in self.admit_many(requests)]
+
+    def admit_many(self, requests: Sequence[AdmissionRequest]) -> list[Admitted]:
+        """:meth:`submit_many`, each answer saying whether its Run existed already. Requests of
+        the batch with one unique key share one Run: the first of them is admitted (unless an
+        unfinished Run holds the key), the later ones are answered ``existing``."""
         if not 1 <= len(requests) <= MAX_BATCH:
             raise ValueError(f"a batch holds 1..{MAX_BATCH} runs")
+        keys = sorted({r.unique_key for r in requests if r.unique_key is not None})
         with self._uow_factory() as uow:
-            now_ms = uow.now_ms()
-            changes = [
-                admit(
-                    run_id=self._identities.new_id(),
-                    attempt_id=self._identities.new_id(),
-                    task=request.task,
-                    input=request.input,
-                    policy=request.policy,
-                    owner=RunOwner.RUNTIME,
-                    priority=request.priority,
-                    unique_key=request.unique_key,
-                    timeout_ms=request.timeout_ms,
-                    now_ms=now_ms,
-                )
-                for request in requests
-            ]
-            uow.runs.add_many(changes)
+            held = _held(uow, keys)
+            for round_ in range(1, KEY_ROUNDS + 1):
+                answers, changes = self._changes(requests, held, uow.now_ms())
+                if not changes:
+                    break
+                try:
+                    uow.runs.add_many(changes)
+                    break
+                except ConcurrencyConflict:
+                    # Another transaction may have admitted a Run with one of the keys after
+                    # they were read (the partial unique index refused this batch, which left
+                    # nothing behind): read them again; a conflict of any other kind is raised.
+                    before, held = held, _held(uow, keys)
+                    if not keys or set(held) == set(before) or round_ == KEY_ROUNDS:
+                        raise
             uow.commit()
-        return [change.run.id for change in changes]
+        return answers
+
+    def _changes(
+        self, requests: Sequence[AdmissionRequest], held: Mapping[str, str], now_ms: int
+    ) -> tuple[list[Admitted], list[Change]]:
+        taken = dict(held)
+        answers: list[Admitted] = []
+        changes: list[Change] = []
+        for request in requests:
+            key = request.unique_key
+            if key is not None and key in taken:
+                answers.append(Admitted(run_id=taken[key], existing=True))
+                continue
+            change = admit(
+                run_id=self._identities.new_id(),
+                attempt_id=self._identities.new_id(),
+                task=request.task,
+                input=request.input,
+                policy=request.policy,
+                owner=RunOwner.RUNTIME,
+                priority=request.priority,
+                unique_key=key,
+                timeout_ms=request.timeout_ms,
+                run_after_ms=due_time(
+                    now_ms, delay_ms=request.delay_ms, run_after_ms=request.run_after_ms
+                ),
+                now_ms=now_ms,
+            )
+            if key is not None:
+                taken[key] = change.run.id
+            changes.append(change)
+            answers.append(Admitted(run_id=change.run.id))
+        return answers, changes
 
     def cancel(self, run_id: str, reason: str = "cancelled by operator") -> None:
         """Cancel a non-terminal Run; its live lease is released, so a late worker's completion
@@ -102,3 +183,8 @@ class Admission:
             )
             uow.runs.apply(snapshot, change)
             uow.commit()
+
+
+def _held(uow: UnitOfWork, keys: Sequence[str]) -> Mapping[str, str]:
+    """The unfinished Runs holding any of ``keys``, by key (no read for none)."""
+    return uow.runs.unfinished_with_keys(keys) if keys else {}

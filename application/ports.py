@@ -217,6 +217,10 @@ class RunRepository(Protocol):
 
     def list_runs(self, status: RunStatus | None, limit: int) -> Sequence[Run]: ...
 
+    def unfinished_with_keys(self, keys: Sequence[str]) -> Mapping[str, str]:
+        """The ids of the unfinished (non-terminal) Runs holding any of these unique keys, by
+        key (ADR 0015). At most one unfinished Run holds a key: the stores refuse a second."""
+
 
 class WorkerSessionRegistry(Protocol):
     def get(self, session_id: str) -> WorkerSession | None: ...

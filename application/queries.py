@@ -48,6 +48,7 @@ class RunView:
             "attempt_count": run.attempt_count,
             "next_attempt_at_ms": run.next_attempt_at_ms,
             "timeout_ms": run.timeout_ms,
+            "unique_key": run.unique_key,
             "created_at_ms": run.created_at_ms,
             "updated_at_ms": run.updated_at_ms,
             "quarantine": None

@@ -70,6 +70,11 @@ NON_TERMINAL_ATTEMPT_STATUSES = frozenset(AttemptStatus) - TERMINAL_ATTEMPT_STAT
 STARTED_ATTEMPT_STATUSES = frozenset({A.STARTING, A.RUNNING})
 """Past the start barrier: external side effects may have begun."""
 
+ADMITTED_RUN_STATUSES = frozenset({R.CREATED, R.QUEUED, R.RETRY_WAIT})
+"""Where admission puts a new Run (the diagram's edges from its start): ``created`` without an
+Attempt, ``queued`` with a pristine Attempt 1, or ``retry_wait`` without an Attempt when it is
+delayed, until the store's clock reaches its due time (ADR 0015)."""
+
 CLAIMABLE_RUN_STATUSES = frozenset({R.QUEUED})
 """Where a worker's claim starts a Run (with its pristine Attempt)."""
 
@@ -118,6 +123,12 @@ def require_run_edge(run: Run, to: RunStatus, action: str) -> None:
     """Refuse a Run change that is not an edge of :data:`RUN_EDGES`."""
     if to not in RUN_EDGES[run.status]:
         raise InvalidTransition("run", run.id, run.status.value, action)
+
+
+def require_admitted(run: Run) -> None:
+    """Refuse a new Run whose status is not one of :data:`ADMITTED_RUN_STATUSES`."""
+    if run.status not in ADMITTED_RUN_STATUSES:
+        raise InvalidTransition("run", run.id, run.status.value, "be admitted so")
 
 
 def require_attempt_edge(

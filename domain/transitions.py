@@ -41,7 +41,12 @@ from domain.model import (
 )
 from domain.policy import RetryPolicy
 from domain.retry import RetryCause, decide_retry, timed_out_error
-from domain.states import CLAIMABLE_RUN_STATUSES, require_attempt_edge, require_run_edge
+from domain.states import (
+    CLAIMABLE_RUN_STATUSES,
+    require_admitted,
+    require_attempt_edge,
+    require_run_edge,
+)
 
 MAX_TASK_NAME_LENGTH = 200
 
@@ -136,10 +141,16 @@ def admit(
     priority: int = 0,
     unique_key: str | None = None,
     timeout_ms: int | None = None,
+    run_after_ms: int | None = None,
 ) -> Change:
     """Admit a Run. With an attempt id it is ``queued`` with a pristine Attempt 1; without one
     it stays ``created`` (an Attempt is made later, by the frontier or by startup recovery).
-    Priority, unique key and timeout are snapshotted on the Run (ADRs 0013 to 0015)."""
+    Priority, unique key and timeout are snapshotted on the Run (ADRs 0013 to 0015).
+
+    With ``run_after_ms`` later than ``now_ms`` the Run is delayed (ADR 0015): admitted in
+    ``retry_wait`` without an Attempt (``attempt_id`` is not used) and due at ``run_after_ms``;
+    lost retry makes its Attempt 1 once the store's clock reaches that time. A due time not
+    later than ``now_ms`` admits it as without one."""
     if not task or len(task) > MAX_TASK_NAME_LENGTH or task.strip() != task or "\x00" in task:
         raise InvalidAdmission(
             f"task name must be 1..{MAX_TASK_NAME_LENGTH} characters, without padding or NUL"
@@ -152,19 +163,24 @@ def admit(
         raise InvalidAdmission("policy must be a RetryPolicy")
     if isinstance(priority, bool) or not MIN_PRIORITY <= priority <= MAX_PRIORITY:
         raise InvalidAdmission(f"priority must be an integer within {MIN_PRIORITY}..{MAX_PRIORITY}")
-    if unique_key is not None and (
-        not unique_key or len(unique_key) > MAX_UNIQUE_KEY_LENGTH or "\x00" in unique_key
-    ):
-        raise InvalidAdmission(
-            f"a unique key must be 1..{MAX_UNIQUE_KEY_LENGTH} characters, without NUL"
-        )
+    if unique_key is not None:
+        check_unique_key(unique_key)
     if timeout_ms is not None and (
         isinstance(timeout_ms, bool) or not 1 <= timeout_ms <= MAX_TIMEOUT_MS
     ):
         raise InvalidAdmission(f"a timeout must be within 1..{MAX_TIMEOUT_MS} milliseconds")
+    if run_after_ms is not None and (
+        isinstance(run_after_ms, bool) or not isinstance(run_after_ms, int)
+    ):
+        raise InvalidAdmission("a due time must be an integer number of milliseconds")
+    delayed = run_after_ms is not None and run_after_ms > now_ms
+    if delayed and owner is not RunOwner.RUNTIME:
+        raise InvalidAdmission("only runtime-owned runs can be delayed")
     attempts: tuple[Attempt, ...] = ()
     status = RunStatus.CREATED
-    if attempt_id is not None:
+    if delayed:
+        status = RunStatus.RETRY_WAIT
+    elif attempt_id is not None:
         attempts = (_pristine_attempt(run_id, attempt_id, 1, now_ms),)
         status = RunStatus.QUEUED
     run = Run(
@@ -179,16 +195,46 @@ def admit(
         priority=priority,
         unique_key=unique_key,
         timeout_ms=timeout_ms,
+        next_attempt_at_ms=run_after_ms if delayed else None,
         created_at_ms=now_ms,
         updated_at_ms=now_ms,
     )
+    require_admitted(run)
     first = attempts[0] if attempts else None
+    data: dict[str, JsonValue] = {"task": task}
+    if delayed:
+        data["run_after_ms"] = run_after_ms
     return Change(
         run=run,
         attempts=attempts,
         lease=None,
-        event=_event(run, first, EventType.RUN_ADMITTED, now_ms, {"task": task}),
+        event=_event(run, first, EventType.RUN_ADMITTED, now_ms, data),
     )
+
+
+def check_unique_key(unique_key: str) -> None:
+    """Refuse a unique key no store keeps: empty, too long, not text or holding NUL."""
+    if (
+        not isinstance(unique_key, str)
+        or not unique_key
+        or len(unique_key) > MAX_UNIQUE_KEY_LENGTH
+        or "\x00" in unique_key
+    ):
+        raise InvalidAdmission(
+            f"a unique key must be 1..{MAX_UNIQUE_KEY_LENGTH} characters, without NUL"
+        )
+
+
+def due_time(now_ms: int, *, delay_ms: int | None, run_after_ms: int | None) -> int | None:
+    """When a Run submitted at ``now_ms`` (the store's clock) becomes due: ``now_ms`` plus a
+    delay, or a given time; None for neither. Both at once, or a negative delay, is refused."""
+    if delay_ms is not None and run_after_ms is not None:
+        raise InvalidAdmission("give a delay or a due time, not both")
+    if delay_ms is not None:
+        if isinstance(delay_ms, bool) or not isinstance(delay_ms, int) or delay_ms < 0:
+            raise InvalidAdmission("a delay must be a non-negative number of milliseconds")
+        return now_ms + delay_ms
+    return run_after_ms
 
 
 def create_first_attempt(run: Run, attempt_id: str, now_ms: int) -> Change:

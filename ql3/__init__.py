@@ -21,6 +21,7 @@ from ql3.runtime import (
     RunInfo,
     Runtime,
     Submission,
+    Submitted,
     UnsupportedTransaction,
     WaitTimeout,
 )
@@ -43,6 +44,7 @@ __all__ = [
     "Safety",
     "StandaloneRuntime",
     "Submission",
+    "Submitted",
     "TaskContext",
     "TaskDefinition",
     "TaskRegistry",

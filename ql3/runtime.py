@@ -8,15 +8,22 @@ a web process that only submits never starts the runtime (ADR 0009)."""
 from __future__ import annotations
 
 import asyncio
-import datetime
+import datetime as dt
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import TracebackType
 from typing import Any
 
-from application.admission import Admission, AdmissionRequest, UnknownRun
+from application.admission import (
+    Admission,
+    AdmissionRequest,
+    Admitted,
+    UnknownRun,
+    delay_ms,
+    epoch_ms,
+)
 from application.history import (
     DEFAULT_BATCH_SIZE,
     HistoryPruning,
@@ -51,12 +58,33 @@ class UnsupportedTransaction(TypeError):
 class Submission:
     """One run to submit: a task (by name or by its declared function), its JSON input and,
     optionally, a policy that replaces the task's template and an execution timeout in seconds
-    that replaces the task's."""
+    that replaces the task's.
+
+    ``delay`` (seconds or a ``timedelta``) or ``run_after`` (a ``datetime``; naive is UTC), not
+    both, make it a delayed run, claimable once the store's clock reaches that time.
+    ``unique_key``: while an unfinished run holds that key, that run answers instead and
+    nothing is written (ADR 0015)."""
 
     task: Task
     input: object = None
     policy: RetryPolicy | None = None
     timeout: float | None = None
+    delay: float | dt.timedelta | None = None
+    run_after: dt.datetime | None = None
+    unique_key: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Submitted:
+    """What :meth:`Runtime.submit_unique` answers: the run's id, and whether that run existed
+    already (an unfinished run held the unique key; nothing was written)."""
+
+    run_id: str
+    existing: bool
+
+    @classmethod
+    def of(cls, admitted: Admitted) -> Submitted:
+        return cls(run_id=admitted.run_id, existing=admitted.existing)
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,12 +157,14 @@ class Runtime:
         task, payload, policy = submission.task, submission.input, submission.policy
         timeout_ms = timeout_millis(submission.timeout)
         if self._tasks is not None:
-            return self._tasks.request(task, payload, policy=policy, timeout_ms=timeout_ms)
-        if not isinstance(task, str):
+            request = self._tasks.request(task, payload, policy=policy, timeout_ms=timeout_ms)
+        elif not isinstance(task, str):
             raise InvalidAdmission("without a task registry, a task is given by its name")
-        return AdmissionRequest(
-            task=task, input=json_input(payload), policy=policy, timeout_ms=timeout_ms
-        )
+        else:
+            request = AdmissionRequest(
+                task=task, input=json_input(payload), policy=policy, timeout_ms=timeout_ms
+            )
+        return _timed_and_keyed(request, submission)
 
     def submit(
         self,
@@ -143,16 +173,57 @@ class Runtime:
         *,
         policy: RetryPolicy | None = None,
         timeout: float | None = None,
+        delay: float | dt.timedelta | None = None,
+        run_after: dt.datetime | None = None,
+        unique_key: str | None = None,
         transaction: object | None = None,
     ) -> str:
         """Admit one run and return its id. ``timeout``: the seconds an attempt may run before
         its worker stops it as a failure (else the task's). With ``transaction`` (a SQLAlchemy
         ``Connection`` or ``Session``, or a psycopg connection) it is written in that
-        transaction and commits or rolls back with it; workers are woken only when it
-        commits."""
-        return self.submit_many(
-            [Submission(task, input, policy, timeout)], transaction=transaction
-        )[0]
+        transaction and commits or rolls back with it; workers are woken only when it commits.
+        ``delay``, ``run_after`` and ``unique_key`` as for :class:`Submission`: with a key an
+        unfinished run holds, that run's id is returned (:meth:`submit_unique` also says so)."""
+        submission = Submission(
+            task,
+            input,
+            policy,
+            timeout,
+            delay=delay,
+            run_after=run_after,
+            unique_key=unique_key,
+        )
+        return self.submit_many([submission], transaction=transaction)[0]
+
+    def submit_unique(
+        self,
+        task: Task,
+        input: object = None,
+        *,
+        unique_key: str,
+        policy: RetryPolicy | None = None,
+        timeout: float | None = None,
+        delay: float | dt.timedelta | None = None,
+        run_after: dt.datetime | None = None,
+        transaction: object | None = None,
+    ) -> Submitted:
+        """:meth:`submit` with a unique key, answering whether the run existed already: while
+        an unfinished run holds ``unique_key`` its id comes back with ``existing=True`` and
+        nothing is written; otherwise a new run is admitted (``existing=False``)."""
+        submission = Submission(
+            task,
+            input,
+            policy,
+            timeout,
+            delay=delay,
+            run_after=run_after,
+            unique_key=unique_key,
+        )
+        request = self.request(submission)
+        admission = (
+            self._producer.admission if transaction is None else self._admission_in(transaction)
+        )
+        return Submitted.of(admission.admit_many([request])[0])
 
     def submit_many(
         self,
@@ -160,7 +231,9 @@ class Runtime:
         *,
         transaction: object | None = None,
     ) -> list[str]:
-        """Admit several runs at once, all or none; their ids in order."""
+        """Admit several runs at once, all or none; their ids in order. Submissions with one
+        unique key share one run (the first of them is admitted, unless an unfinished run holds
+        the key already)."""
         requests = [self.request(_submission(item)) for item in submissions]
         if transaction is None:
             return self._producer.admission.submit_many(requests)
@@ -173,9 +246,44 @@ class Runtime:
         *,
         policy: RetryPolicy | None = None,
         timeout: float | None = None,
+        delay: float | dt.timedelta | None = None,
+        run_after: dt.datetime | None = None,
+        unique_key: str | None = None,
     ) -> str:
         """:meth:`submit` for asyncio code (the store's call runs in a worker thread)."""
-        return await asyncio.to_thread(self.submit, task, input, policy=policy, timeout=timeout)
+        return await asyncio.to_thread(
+            self.submit,
+            task,
+            input,
+            policy=policy,
+            timeout=timeout,
+            delay=delay,
+            run_after=run_after,
+            unique_key=unique_key,
+        )
+
+    async def asubmit_unique(
+        self,
+        task: Task,
+        input: object = None,
+        *,
+        unique_key: str,
+        policy: RetryPolicy | None = None,
+        timeout: float | None = None,
+        delay: float | dt.timedelta | None = None,
+        run_after: dt.datetime | None = None,
+    ) -> Submitted:
+        """:meth:`submit_unique` for asyncio code."""
+        return await asyncio.to_thread(
+            self.submit_unique,
+            task,
+            input,
+            unique_key=unique_key,
+            policy=policy,
+            timeout=timeout,
+            delay=delay,
+            run_after=run_after,
+        )
 
     async def asubmit_many(
         self, submissions: Iterable[Submission | tuple[Task, object]]
@@ -239,7 +347,7 @@ class Runtime:
 
     def prune_finished(
         self,
-        older_than: str | datetime.timedelta,
+        older_than: str | dt.timedelta,
         *,
         dry_run: bool = False,
         batch_size: int = DEFAULT_BATCH_SIZE,
@@ -249,8 +357,8 @@ class Runtime:
         before the store's clock, with their attempts, leases, events and every row that
         references them, in transactions of at most ``batch_size`` runs (ADR 0016). With
         ``dry_run`` it counts them and deletes nothing. Returns what it removed."""
-        if isinstance(older_than, datetime.timedelta):
-            older_than_ms = older_than // datetime.timedelta(milliseconds=1)
+        if isinstance(older_than, dt.timedelta):
+            older_than_ms = older_than // dt.timedelta(milliseconds=1)
         elif isinstance(older_than, str):
             older_than_ms = parse_duration(older_than)
         else:
@@ -348,6 +456,22 @@ class Notified(FinishSignal):
     def wait(self, mark: int, seconds: float) -> None:
         with self._changed:
             self._changed.wait_for(lambda: self._generation != mark, seconds)
+
+
+def _timed_and_keyed(request: AdmissionRequest, submission: Submission) -> AdmissionRequest:
+    """The request with the submission's delay or due time and its unique key."""
+    if submission.delay is not None and submission.run_after is not None:
+        raise InvalidAdmission("give delay or run_after, not both")
+    if submission.unique_key is not None and not isinstance(submission.unique_key, str):
+        raise InvalidAdmission("a unique key is a string")
+    return replace(
+        request,
+        delay_ms=delay_ms(submission.delay) if submission.delay is not None else None,
+        run_after_ms=(
+            epoch_ms(submission.run_after) if submission.run_after is not None else None
+        ),
+        unique_key=submission.unique_key,
+    )
 
 
 def _submission(item: Submission | tuple[Task, object] | Sequence[Any]) -> Submission:

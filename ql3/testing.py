@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, cast
@@ -206,16 +206,30 @@ class InMemoryRuntime(Runtime):
         """Runs admitted in a SQLAlchemy ``Session`` or ``Connection`` of the application's own
         database reach the memory store when that transaction commits, and never when it rolls
         back (the memory store cannot join it, so it follows it)."""
-        pending = _PendingAdmission(self.clock)
         store = cast(MemoryStore, self.store)
+        # One pending admission per transaction (and runtime): a unique key admitted earlier in
+        # the same transaction is held for the later submits of it.
+        slot = ("ql3.pending_admission", id(self))
+        info = getattr(transaction, "info", None)
+        pending = info.get(slot) if isinstance(info, dict) else None
+        if pending is None:
+            fresh = _PendingAdmission(self.clock, store)
 
-        def committed() -> None:
-            with store.unit_of_work() as uow:
-                uow.runs.add_many(pending.changes)
-                uow.commit()
+            def committed() -> None:
+                with store.unit_of_work() as uow:
+                    uow.runs.add_many(fresh.changes)
+                    uow.commit()
 
-        _follow(transaction, committed)
-        return self._producer.admission_in(lambda: pending)
+            def settled() -> None:
+                if isinstance(info, dict):
+                    info.pop(slot, None)
+
+            _follow(transaction, committed, settled)
+            if isinstance(info, dict):
+                info[slot] = fresh
+            pending = fresh
+        chosen: _PendingAdmission = pending
+        return self._producer.admission_in(lambda: chosen)
 
     def _start(self) -> None:
         return None
@@ -234,6 +248,7 @@ class _PendingAdmission:
     """A unit of work that keeps the admitted changes until the caller's transaction commits."""
 
     clock: FakeClock
+    store: MemoryStore
     changes: list[Change] = field(default_factory=list)
 
     @property
@@ -242,6 +257,16 @@ class _PendingAdmission:
 
     def add_many(self, changes: list[Change]) -> None:
         self.changes.extend(changes)
+
+    def unfinished_with_keys(self, keys: Sequence[str]) -> Mapping[str, str]:
+        """The keys held in the store now, and by the runs admitted in this transaction."""
+        with self.store.unit_of_work() as uow:
+            held = dict(uow.runs.unfinished_with_keys(keys))
+        for change in self.changes:
+            key = change.run.unique_key
+            if key is not None and key in keys:
+                held.setdefault(key, change.run.id)
+        return held
 
     def now_ms(self) -> int:
         return self.clock.now_ms()
@@ -261,9 +286,12 @@ class _PendingAdmission:
         return None
 
 
-def _follow(transaction: object, committed: Callable[[], None]) -> None:
+def _follow(
+    transaction: object, committed: Callable[[], None], settled: Callable[[], None]
+) -> None:
     """Call ``committed`` once when the SQLAlchemy ``Session`` or ``Connection`` commits its
-    transaction; forget it when the transaction rolls back."""
+    transaction; forget it when the transaction rolls back. ``settled`` is called after
+    either."""
     from sqlalchemy import Connection, event
     from sqlalchemy.orm import Session
 
@@ -277,17 +305,20 @@ def _follow(transaction: object, committed: Callable[[], None]) -> None:
             f"not {type(transaction).__name__}"
         )
 
-    settled = False  # listeners cannot be removed while their event runs: they go quiet
+    done = False  # listeners cannot be removed while their event runs: they go quiet
 
     def on_commit(*_args: object) -> None:
-        nonlocal settled
-        if not settled:
-            settled = True
+        nonlocal done
+        if not done:
+            done = True
+            settled()
             committed()
 
     def on_rollback(*_args: object) -> None:
-        nonlocal settled
-        settled = True
+        nonlocal done
+        if not done:
+            done = True
+            settled()
 
     event.listen(transaction, commit_event, on_commit)
     event.listen(transaction, rollback_event, on_rollback)

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import json
+import math
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -172,6 +174,19 @@ db.add_command(db_cmds.grant_ingress_command)
     default=None,
     help="Seconds an attempt may run before the worker stops it as a failure.",
 )
+@click.option(
+    "--delay", type=float, default=None, help="Claimable this many seconds after admission."
+)
+@click.option(
+    "--run-after",
+    default=None,
+    help="Claimable from this ISO 8601 time (without an offset: UTC).",
+)
+@click.option(
+    "--unique-key",
+    default=None,
+    help="While an unfinished run holds this key, answer with it and write nothing.",
+)
 @database_option
 @json_option
 def submit(
@@ -183,10 +198,14 @@ def submit(
     max_attempts: int | None,
     backoff_initial: float | None,
     timeout_s: float | None,
+    delay: float | None,
+    run_after: str | None,
+    unique_key: str | None,
     database_url: str | None,
     as_json: bool,
 ) -> None:
-    """Admit a run of TASK."""
+    """Admit a run of TASK, at once or delayed (--delay or --run-after); with --unique-key, at
+    most one unfinished run per key."""
     try:
         payload = json.loads(input_json)
     except json.JSONDecodeError as error:
@@ -209,9 +228,52 @@ def submit(
             safety=Safety(safety) if safety else None,
             backoff=Backoff(initial_ms=initial_ms, cap_ms=max(initial_ms, 300_000)),
         )
+    delay_ms, run_after_ms = _submit_timing(delay, run_after)
+    if unique_key is not None:
+        from domain.transitions import check_unique_key
+
+        check_unique_key(unique_key)
+    from application.admission import AdmissionRequest
+
+    request = AdmissionRequest(
+        task=task,
+        input=payload,
+        policy=policy,
+        timeout_ms=timeout_ms,
+        unique_key=unique_key,
+        delay_ms=delay_ms,
+        run_after_ms=run_after_ms,
+    )
     with _producer(database_url) as producer:
-        run_id = producer.admission.submit(task, payload, policy, timeout_ms=timeout_ms)
-    _emit(as_json, {"run_id": run_id}, lambda: click.echo(run_id))
+        admitted = producer.admission.admit_many([request])[0]
+    run_id = admitted.run_id
+
+    def text() -> None:
+        click.echo(run_id)
+        if admitted.existing:
+            click.echo(f"existing run: an unfinished run holds unique key {unique_key}", err=True)
+
+    _emit(as_json, {"run_id": run_id, "existing": admitted.existing}, text)
+
+
+def _submit_timing(delay: float | None, run_after: str | None) -> tuple[int | None, int | None]:
+    """The delay and the due time of ``ql3 submit`` in milliseconds (at most one of them);
+    bad input is a usage error."""
+    from application.admission import delay_ms, epoch_ms
+
+    if delay is not None and run_after is not None:
+        _fail_usage("give --delay or --run-after, not both")
+    if delay is not None:
+        if not math.isfinite(delay) or delay < 0:
+            _fail_usage("--delay must be a finite number of seconds >= 0")
+        return delay_ms(delay), None
+    if run_after is not None:
+        try:
+            moment = dt.datetime.fromisoformat(run_after)
+        except ValueError:
+            _fail_usage(f"--run-after is not an ISO 8601 time: {run_after!r}")
+        return None, epoch_ms(moment)
+    return None, None
 
 
 @cli.group()
@@ -271,6 +333,10 @@ def runs_show(run_id: str, database_url: str | None, as_json: bool) -> None:
         click.echo(f"run {view.run.id}  task {view.run.task}  status {view.run.status.value}")
         if view.run.error:
             click.echo(f"  error: {view.run.error}")
+        if view.run.next_attempt_at_ms is not None:
+            click.echo(f"  next attempt due at {_iso(view.run.next_attempt_at_ms)}")
+        if view.run.unique_key is not None:
+            click.echo(f"  unique key: {view.run.unique_key}")
         if view.run.quarantine:
             q = view.run.quarantine
             click.echo(f"  quarantined since {_iso(q.since_ms)}: {q.reason}")

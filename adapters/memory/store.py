@@ -15,7 +15,7 @@ A write is all-or-nothing: when any of its checks fails, nothing of it reaches t
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from types import TracebackType
 from typing import TYPE_CHECKING
@@ -117,11 +117,14 @@ class _State:
     gate: DispatchGate = OPEN_GATE
     credentials: dict[str, WorkerCredential] = field(default_factory=dict)
     credential_events: tuple[CredentialEvent, ...] = ()
+    # unique key -> the unfinished Run holding it (the partial unique index, ADR 0015)
+    unique_keys: dict[str, str] = field(default_factory=dict)
 
     def copy(self) -> _State:
         return replace(
             self,
             runs=dict(self.runs),
+            unique_keys=dict(self.unique_keys),
             attempts=dict(self.attempts),
             run_attempts=dict(self.run_attempts),
             leases=dict(self.leases),
@@ -215,6 +218,15 @@ def _check_invariants(state: _State, writes: _Writes, change: Change) -> None:
             raise _conflict(f"run {run_id} would hold more than one leased lease")
 
 
+def _check_unique_key(state: _State, run: Run) -> None:
+    """At most one unfinished Run per unique key (ADR 0015)."""
+    if run.unique_key is None or run.status.is_terminal:
+        return
+    holder = state.unique_keys.get(run.unique_key)
+    if holder is not None and holder != run.id:
+        raise _conflict(f"an unfinished run holds the unique key of run {run.id}")
+
+
 def _check_attempt_insert(state: _State, attempt: Attempt, writes: _Writes) -> None:
     if attempt.id in state.attempts or attempt.id in writes.attempts:
         raise _conflict(f"attempt {attempt.id} already exists")
@@ -229,6 +241,12 @@ def _install(state: _State, writes: _Writes, change: Change) -> None:
     """Write checked rows and append the change's event. ``state`` must be writable."""
     if writes.run is not None:
         state.runs[writes.run.id] = writes.run
+        unique_key = writes.run.unique_key
+        if unique_key is not None:
+            if not writes.run.status.is_terminal:
+                state.unique_keys[unique_key] = writes.run.id
+            elif state.unique_keys.get(unique_key) == writes.run.id:
+                del state.unique_keys[unique_key]
     touched_runs: set[str] = set()
     for attempt in writes.attempts.values():
         state.attempts[attempt.id] = attempt
@@ -334,6 +352,7 @@ class MemoryRunRepository(OneAtATime):
         state = self._uow.read()
         if change.run.id in state.runs:
             raise _conflict(f"run {change.run.id} already exists")
+        _check_unique_key(state, change.run)
         writes = _Writes(run=change.run)
         for attempt in change.attempts:
             _check_attempt_insert(state, attempt, writes)
@@ -350,6 +369,11 @@ class MemoryRunRepository(OneAtATime):
         ids = [change.run.id for change in changes]
         if len(set(ids)) != len(ids) or any(run_id in state.runs for run_id in ids):
             raise _conflict("a run of the batch already exists")
+        keys = [c.run.unique_key for c in changes if c.run.unique_key is not None]
+        if len(set(keys)) != len(keys):
+            raise _conflict("two runs of the batch hold one unique key")
+        for change in changes:
+            _check_unique_key(state, change.run)
         for change in changes:
             self.add(change)
 
@@ -472,6 +496,10 @@ class MemoryRunRepository(OneAtATime):
 
     def events_of(self, run_id: str) -> Sequence[StoredEvent]:
         return self._uow.read().events.get(run_id, ())
+
+    def unfinished_with_keys(self, keys: Sequence[str]) -> Mapping[str, str]:
+        held = self._uow.read().unique_keys
+        return {key: held[key] for key in keys if key in held}
 
     def list_runs(self, status: RunStatus | None, limit: int) -> Sequence[Run]:
         if limit < 1:

@@ -153,6 +153,10 @@ def list_runs(status: RunStatus | None, limit: int) -> Select:
     return statements.list_runs(status, limit, POSTGRES)
 
 
+def unfinished_with_keys(keys: Sequence[str]) -> Select:
+    return statements.unfinished_with_keys(keys, POSTGRES)
+
+
 def open_sessions_of(worker_id: str) -> Select:
     """Locked, in id order."""
     return statements.open_sessions_of(worker_id, POSTGRES).with_for_update()

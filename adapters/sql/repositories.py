@@ -10,7 +10,7 @@ store its wake-ups; the worker ingress what its role may not do.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Generic, Protocol, TypeVar
 
 from sqlalchemy import Select
@@ -35,6 +35,8 @@ class DialectQueries(Protocol):
     """The statements a store spells its own way: its ``queries`` module."""
 
     def list_runs(self, status: RunStatus | None, limit: int) -> Select: ...
+
+    def unfinished_with_keys(self, keys: Sequence[str]) -> Select: ...
 
     def open_sessions_of(self, worker_id: str) -> Select: ...
 
@@ -76,6 +78,12 @@ class SqlRunReads(Generic[R]):
             raise ValueError(f"limit must be >= 1, got {limit}")
         result = self._uow.execute(self.queries.list_runs(status, limit)).mappings()
         return tuple(rows.run_from_row(row) for row in result)
+
+    def unfinished_with_keys(self, keys: Sequence[str]) -> Mapping[str, str]:
+        if not keys:
+            return {}
+        result = self._uow.execute(self.queries.unfinished_with_keys(keys))
+        return {str(key): str(run_id) for key, run_id in result}
 
 
 class SqlRunRepository(SqlRunReads[W]):

@@ -67,6 +67,7 @@ from domain.policy import MAX_ATTEMPTS_LIMIT, Safety
 from domain.states import (
     CLAIMABLE_RUN_STATUSES,
     NON_TERMINAL_ATTEMPT_STATUSES,
+    NON_TERMINAL_RUN_STATUSES,
     OPEN_SESSION_STATUSES,
 )
 from domain.triggers import MAX_CATCH_UP_LIMIT, MIN_INTERVAL_MS, CatchUp, TriggerStatus
@@ -265,6 +266,19 @@ Index(
     runs.c.id,
     postgresql_where=text("status = 'retry_wait'"),
     sqlite_where=text("status = 'retry_wait'"),
+)
+# ADR 0015: while a Run is unfinished, no other Run holds its unique key; a finished Run frees
+# it. The store's admission reads it through this index, and an insert that races another
+# replica's is refused by it.
+UNFINISHED_KEYED_RUN = (
+    f"unique_key IS NOT NULL AND {_one_of('status', _names(NON_TERMINAL_RUN_STATUSES))}"
+)
+Index(
+    "uq_runs_unique_key",
+    runs.c.unique_key,
+    unique=True,
+    postgresql_where=text(UNFINISHED_KEYED_RUN),
+    sqlite_where=text(UNFINISHED_KEYED_RUN),
 )
 Index(
     "ix_runs_created",

@@ -12,7 +12,7 @@ applies its spelling to the builders here that take one.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from attrs import frozen
@@ -64,6 +64,7 @@ from domain.states import (
     CLAIMABLE_RUN_STATUSES,
     GONE_SESSION_STATUSES,
     NON_TERMINAL_ATTEMPT_STATUSES,
+    NON_TERMINAL_RUN_STATUSES,
     OPEN_SESSION_STATUSES,
     RECOVERABLE_RUN_STATUSES,
 )
@@ -305,6 +306,15 @@ def list_runs(status: RunStatus | None, limit: int, spelling: Spelling) -> Selec
     if status is not None:
         statement = statement.where(runs.c.status == status.value)
     return statement.order_by(runs.c.created_at, spelling.by_id(runs.c.id)).limit(limit)
+
+
+def unfinished_with_keys(keys: Sequence[str], spelling: Spelling) -> Select:
+    """(unique key, run id) of the unfinished Runs holding any of ``keys``: the predicate of
+    the partial unique index ``uq_runs_unique_key`` (ADR 0015), so that the index answers."""
+    return select(runs.c.unique_key, runs.c.id).where(
+        runs.c.unique_key.in_(list(keys)),
+        spelling.one_of(runs.c.status, NON_TERMINAL_RUN_STATUSES),
+    )
 
 
 def get_session(session_id: str) -> Select:

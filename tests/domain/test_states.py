@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from attrs import evolve
 
 from domain.errors import InvalidTransition
 from domain.model import (
@@ -13,17 +14,19 @@ from domain.model import (
     RunStatus,
 )
 from domain.states import (
+    ADMITTED_RUN_STATUSES,
     ATTEMPT_EDGES,
     CLAIMABLE_RUN_STATUSES,
     NON_TERMINAL_ATTEMPT_STATUSES,
     RELEASABLE_ATTEMPT_STATUSES,
     RUN_EDGES,
     STARTED_ATTEMPT_STATUSES,
+    require_admitted,
     require_attempt_edge,
     require_run_edge,
     values,
 )
-from domain.transitions import cancel, complete, mark_lost, release
+from domain.transitions import admit, cancel, complete, mark_lost, release
 from tests.domain.builders import NOW, legacy_offered, legacy_started, queued, running
 
 
@@ -103,3 +106,49 @@ def test_every_change_of_a_held_attempt_moves_along_the_diagram(build) -> None: 
         assert change.run.status in RUN_EDGES[run.status]
         for after in change.attempts:
             assert after.status in ATTEMPT_EDGES[attempt.status]
+
+
+def _adr_0007_run_diagram() -> set[tuple[str, str]]:
+    """The edges of the Run diagram of ADR 0007 (its first mermaid block), ``[*]`` the start."""
+    from pathlib import Path
+
+    text = (
+        Path(__file__).resolve().parents[2] / "docs" / "adr" / "0007-claim-protocol.md"
+    ).read_text()
+    block = text.split("## State diagrams", 1)[1].split("```mermaid", 1)[1].split("```", 1)[0]
+    edges = set()
+    for line in block.splitlines():
+        parts = line.split(":", 1)[0].split("-->")
+        if len(parts) == 2:
+            edges.add((parts[0].strip(), parts[1].strip()))
+    return edges
+
+
+def test_the_run_diagram_of_adr_0007_draws_exactly_the_domains_edges_and_admissions() -> None:
+    drawn = _adr_0007_run_diagram()
+    expected = {(f.value, t.value) for f, targets in RUN_EDGES.items() for t in targets}
+    expected |= {("[*]", s.value) for s in ADMITTED_RUN_STATUSES}
+    assert drawn == expected
+
+
+def test_admission_puts_a_run_only_where_the_diagram_starts() -> None:
+    assert {RunStatus.CREATED, RunStatus.QUEUED, RunStatus.RETRY_WAIT} == ADMITTED_RUN_STATUSES
+    # every admitted status can end, and none is terminal
+    for status in ADMITTED_RUN_STATUSES:
+        assert not status.is_terminal
+        assert _reachable(RUN_EDGES, status) & TERMINAL_RUN_STATUSES
+    made = {
+        admit(run_id="r", attempt_id=attempt, task="t", input=None, policy=None, now_ms=NOW,
+              run_after_ms=due).run.status
+        for attempt in ("a", None)
+        for due in (None, NOW, NOW + 1)
+    }
+    assert made == ADMITTED_RUN_STATUSES
+
+
+def test_require_admitted_refuses_any_other_status() -> None:
+    run, _ = queued()
+    require_admitted(run)
+    for status in set(RunStatus) - ADMITTED_RUN_STATUSES:
+        with pytest.raises(InvalidTransition):
+            require_admitted(evolve(run, status=status))

@@ -52,7 +52,8 @@ def _as_version_3(path: Path) -> None:
         connection.execute(f"INSERT INTO runs ({columns}) SELECT {columns} FROM runs_new")
         connection.execute("DROP TABLE runs_new")
         for (index,) in indexes:
-            connection.execute(index)
+            if not any(column in index for column in JOB_COLUMNS):  # no index of version 4
+                connection.execute(index)
         connection.execute("DROP TABLE task_limits")
         connection.execute("PRAGMA user_version = 3")
         connection.execute("COMMIT")
@@ -78,9 +79,16 @@ def test_a_version_3_database_is_upgraded_in_place(tmp_path: Path) -> None:
                     "SELECT name FROM sqlite_master WHERE type = 'table'"
                 )
             }
+            indexes = {
+                name
+                for (name,) in uow.connection.exec_driver_sql(
+                    "SELECT name FROM sqlite_master WHERE type = 'index'"
+                )
+            }
             run = uow.runs.get_run(queued)
         assert version == SCHEMA_VERSION == 4
         assert "task_limits" in tables
+        assert "uq_runs_unique_key" in indexes  # ADR 0015
         assert run is not None and run.input == {"n": 1}
         assert (run.priority, run.unique_key, run.timeout_ms) == (0, None, None)
         assert run.policy == policy and not run.policy.retry_on_error

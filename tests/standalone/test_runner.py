@@ -203,3 +203,34 @@ def test_a_second_stop_request_abandons_running_tasks_at_once(
     assert time.monotonic() - started < 5
     with served.container.store().unit_of_work() as uow:
         assert uow.runs.attempts_of(run_id)[0].status is AttemptStatus.LOST
+
+
+def test_an_idle_edge_process_wakes_for_a_delayed_run_submitted_from_another_process(
+    serve: Any, tmp_path: Path
+) -> None:
+    served = serve(edge, lease_ttl_s=2.0)
+    wait_for(lambda: served.runner.cycles >= 1, 5, "the first cycle")
+    time.sleep(0.2)
+    assert _quiet(served.runner, 1.0) == (0, 0)
+
+    database = tmp_path / "ql3.sqlite"
+    submitted = subprocess.run(
+        [sys.executable, "-m", "adapters.cli.main", "submit", "echo", "--input", '{"x": 2}',
+         "--delay", "1.5", "--database-url", f"sqlite:///{database}", "--json"],
+        cwd=REPO, capture_output=True, text=True, timeout=60,
+    )
+    assert submitted.returncode == 0, submitted.stderr
+    run_id = json.loads(submitted.stdout)["run_id"]
+    wait_for(lambda: served.settled(run_id), 15, "the delayed run to finish")
+    view = RunQueries(served.container.store().unit_of_work).show(run_id)
+    assert view is not None and view.run.status is RunStatus.SUCCEEDED
+    [attempt] = view.attempts
+    # Its Attempt 1 was made when the store's clock reached the due time, not before.
+    assert attempt.attempt.created_at_ms >= view.run.created_at_ms + 1_500
+    assert [kind for _seq, kind, _at, _attempt, _data in view.events][:2] == [
+        "run_admitted", "attempt_created",
+    ]
+    # Woken by the submit (to learn the due time) and at the due time, not on a cadence.
+    assert served.runner.wakeups <= 10, served.lines
+    time.sleep(MIN_CYCLE_GAP_S + 0.3)
+    assert _quiet(served.runner, 1.0) == (0, 0)

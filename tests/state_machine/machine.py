@@ -71,7 +71,11 @@ from domain.model import (
     SessionStatus,
 )
 from domain.policy import RETRYABLE_SAFETY, Backoff, RetryPolicy, Safety
-from domain.states import OPEN_SESSION_STATUSES, RECOVERABLE_RUN_STATUSES
+from domain.states import (
+    OPEN_SESSION_STATUSES,
+    RECOVERABLE_RUN_STATUSES,
+    WAITING_RUN_STATUSES,
+)
 from tests.application.support import CountingIdentities, RunView, StoreView, store_view
 
 StoreFactory = Callable[[], tuple[RuntimeStore, Callable[[int], Any]]]
@@ -420,6 +424,8 @@ def _replay(events: Sequence[tuple[Any, ...]]) -> tuple[RunStatus | None, dict[s
         if event is EventType.RUN_ADMITTED:
             assert status is None, "admitted twice"
             status = RunStatus.QUEUED if attempt_id else RunStatus.CREATED
+            if not attempt_id and "run_after_ms" in data:
+                status = RunStatus.RETRY_WAIT  # delayed (ADR 0015)
             if attempt_id:
                 attempts[attempt_id] = (AttemptStatus.CLAIMED, True)
         elif event is EventType.ATTEMPT_CREATED:
@@ -480,6 +486,14 @@ def _without_expiry(view: RunView) -> tuple[Any, ...]:
     )
 
 
+def _admitted_delayed(view: RunView) -> bool:
+    """The run was admitted delayed: ``retry_wait`` without an Attempt (ADR 0015)."""
+    first = view.events[0] if view.events else None
+    return first is not None and first[1] == EventType.RUN_ADMITTED.value and (
+        "run_after_ms" in first[3]
+    )
+
+
 def _count(key: str) -> None:
     STATS[key] += 1
 
@@ -493,6 +507,7 @@ def make_machine(
     class RuntimeMachine(RuleBasedStateMachine):
         runs = Bundle("runs")
         sessions = Bundle("sessions")
+        delayed = Bundle("delayed")  # delayed runs (ADR 0015)
 
         def __init__(self) -> None:
             super().__init__()
@@ -1372,6 +1387,108 @@ def make_machine(
                 return
             raise AssertionError(f"cancel of the pruned run {run} was taken")
 
+        # === delayed and unique submissions (ADR 0015) ====================================
+        #
+        # A delayed run waits in retry_wait without an Attempt until the store's clock reaches
+        # its due time; the cadence's lost-retry step then makes its Attempt 1. A unique key
+        # held by an unfinished run answers with that run and writes nothing.
+
+        def unfinished_holder(self, view: StoreView, key: str) -> str | None:
+            holders = [
+                run_id for run_id, rv in view.runs.items()
+                if rv.run.unique_key == key and not rv.run.status.is_terminal
+            ]
+            assert len(holders) <= 1, (key, holders)
+            return holders[0] if holders else None
+
+        def submit_keyed_or_delayed(
+            self, task: str, policy: RetryPolicy | None, key: str | None, delay_ms: int | None
+        ) -> tuple[str, bool]:
+            before = self.current()
+            holder = self.unfinished_holder(before, key) if key is not None else None
+            now = self.now()
+            [answer] = self.admission.admit_many(
+                [AdmissionRequest(task=task, input={"task": task}, policy=policy,
+                                  unique_key=key, delay_ms=delay_ms)]
+            )
+            if holder is not None:
+                STATS["unique_key_held"] += 1
+                assert (answer.run_id, answer.existing) == (holder, True)
+                self.expect_unchanged(before)  # no run, no attempt, no event
+                return answer.run_id, False
+            assert not answer.existing
+            after = self.view()
+            rv = after.runs[answer.run_id]
+            assert (rv.run.task, rv.run.policy, rv.run.unique_key) == (task, policy, key)
+            if delay_ms:
+                assert rv.run.status is RunStatus.RETRY_WAIT and rv.attempts == ()
+                assert rv.run.next_attempt_at_ms == rv.run.created_at_ms + delay_ms
+                self.check_times(rv.run.created_at_ms, now, self.now())
+                assert [(e[1], e[2], e[3]) for e in rv.events] == [
+                    (EventType.RUN_ADMITTED.value, None,
+                     {"task": task, "run_after_ms": rv.run.next_attempt_at_ms}),
+                ]
+            else:
+                assert rv.run.status is RunStatus.QUEUED and len(rv.attempts) == 1
+                assert [e[1] for e in rv.events] == [EventType.RUN_ADMITTED.value]
+            self.check_untouched(before, after, set(), added=[answer.run_id])
+            return answer.run_id, True
+
+        @rule(target=delayed, task=st.sampled_from(TASKS), policy=policies(),
+              delay_ms=st.sampled_from([1, 1_000, 3_000, 2 * lease_ttl_ms]),
+              key=st.sampled_from([None, None, "k1", "k2"]))
+        def admit_delayed(self, task: str, policy: RetryPolicy | None, delay_ms: int,
+                          key: str | None) -> Any:
+            run_id, new = self.submit_keyed_or_delayed(task, policy, key, delay_ms)
+            return run_id if new else multiple()
+
+        @rule(target=runs, task=st.sampled_from(TASKS), policy=policies(),
+              key=st.sampled_from(["k1", "k1", "k2"]))
+        def admit_unique(self, task: str, policy: RetryPolicy | None, key: str) -> Any:
+            run_id, new = self.submit_keyed_or_delayed(task, policy, key, None)
+            return run_id if new else multiple()
+
+        @rule(run=delayed)
+        def cancel_delayed(self, run: str) -> None:
+            """Cancel a delayed run: at once while it waits; refused once started or
+            finished, changing nothing."""
+            before = self.current()
+            status = before.runs[run].run.status
+            try:
+                self.admission.cancel_waiting(run, "not needed")
+            except InvalidTransition:
+                assert status.is_terminal or status not in WAITING_RUN_STATUSES, status
+                self.expect_unchanged(before)
+                return
+            assert status in WAITING_RUN_STATUSES, status
+            after = self.view()
+            rv = after.runs[run]
+            assert rv.run.status is RunStatus.CANCELLED
+            attempt_id = rv.attempts[-1].id if rv.attempts else None
+            _one_event(before.runs[run], rv, EventType.RUN_CANCELLED, attempt_id)
+            self.check_untouched(before, after, {run})
+
+        def delayed_and_unique_invariants(self, view: StoreView) -> None:
+            keys = Counter(
+                rv.run.unique_key for rv in view.runs.values()
+                if rv.run.unique_key is not None and not rv.run.status.is_terminal
+            )
+            # at most one unfinished run per unique key
+            assert all(count == 1 for count in keys.values()), keys
+            for rv in view.runs.values():
+                if not _admitted_delayed(rv):
+                    continue
+                STATS[f"delayed_seen:{rv.run.status.value}"] += 1
+                due = rv.events[0][3]["run_after_ms"]
+                assert isinstance(due, int)
+                if not rv.attempts:
+                    # never queued: still waiting for its time, or cancelled while it waited
+                    assert rv.run.status in (RunStatus.RETRY_WAIT, RunStatus.CANCELLED)
+                    assert not self.ever_claimed[rv.run.id]
+                else:
+                    # its Attempt 1 was made no earlier than its due time
+                    assert rv.attempts[0].created_at_ms >= due, (rv.attempts[0], due)
+
         # --- invariants ---------------------------------------------------------------------
 
         @invariant()
@@ -1438,11 +1555,13 @@ def make_machine(
                         ]
                         assert len(lost) == 1 and "evidence" in lost[0][3], lost
                         assert attempt.lost_evidence is not None
-                # retry_wait only for declared-safe policies with attempts left
-                if run.status is RunStatus.RETRY_WAIT:
+                # retry_wait only for declared-safe policies with attempts left (or delayed,
+                # before its first Attempt)
+                if run.status is RunStatus.RETRY_WAIT and run.attempt_count:
                     policy = run.policy
                     assert retry_safe(policy)
                     assert policy is not None and run.attempt_count < policy.max_attempts
+                if run.status is RunStatus.RETRY_WAIT:
                     assert run.next_attempt_at_ms is not None
                 # lease versions never go down
                 for lease in leases:
@@ -1478,13 +1597,14 @@ def make_machine(
                 assert claimed <= {a.id for a in attempts}
                 if not retry_safe(run.policy):
                     assert len(claimed) <= 1
-                    assert len(attempts) == 1
+                    assert len(attempts) == 1 or (not attempts and _admitted_delayed(rv))
                 check_retry_causes(rv)
             # a session never holds more leased leases than its capacity
             for session_id, count in leased_by_session.items():
                 assert count <= view.sessions[session_id].capacity, (session_id, count)
             for session_id in view.sessions:
                 assert _held_by(view, session_id) == sorted(self.held_by(session_id))
+            self.delayed_and_unique_invariants(view)
             self.previous = view
 
         def held_by(self, session_id: str) -> list[str]:

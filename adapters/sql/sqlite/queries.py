@@ -52,6 +52,10 @@ def list_runs(status: RunStatus | None, limit: int) -> Select:
     return statements.list_runs(status, limit, SQLITE)
 
 
+def unfinished_with_keys(keys: Sequence[str]) -> Select:
+    return statements.unfinished_with_keys(keys, SQLITE)
+
+
 def open_sessions_of(worker_id: str) -> Select:
     return statements.open_sessions_of(worker_id, SQLITE)
 

@@ -16,7 +16,7 @@ then leaves them as they are (``IF NOT EXISTS``).
 Written out by hand and frozen: later changes to the declared metadata get their own revision.
 
 Revision ID: 0013_prune_index
-Revises: 0010_ingress_outcomes
+Revises: 0012_unique_submissions
 Create Date: 2026-12-01
 """
 
@@ -26,7 +26,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision = "0013_prune_index"
-down_revision = "0010_ingress_outcomes"
+down_revision = "0012_unique_submissions"
 branch_labels = None
 depends_on = None
 
