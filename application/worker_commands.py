@@ -141,6 +141,9 @@ class BatchOutcome(enum.Enum):
     LOST = "lost"
     RECORDED = "recorded"
     RELEASED = "released"
+    # an abandon or hand-back of an Attempt whose Run was cancelled: the stop is taken, and
+    # nothing changes (the cancellation already settled the Attempt and released its lease)
+    CANCELLED = "cancelled"
 
 
 class Rejection(enum.Enum):
@@ -568,7 +571,8 @@ class WorkerCommands:
     ) -> BatchAnswer:
         """Report outcomes; each lease is released with reason ``completed``. Repeating a
         completion that was already recorded with the same fence answers
-        ``already_completed`` and changes nothing."""
+        ``already_completed`` and changes nothing; a completion of an Attempt whose Run was
+        cancelled is refused with reason ``cancelled``."""
         return self._batch(
             session_id,
             secret,
@@ -585,6 +589,8 @@ class WorkerCommands:
 
         def item(it: _BatchItem) -> ItemResult:
             lease = check_holder(it.lease, it.fence)
+            if _cancelled(lease):
+                return ItemResult(attempt_id=it.fence.attempt_id, outcome=BatchOutcome.CANCELLED)
             if lease.version != it.fence.version:
                 raise FenceRejected(FenceReason.VERSION_MISMATCH, it.fence.attempt_id)
             change = release(
@@ -605,9 +611,12 @@ class WorkerCommands:
     ) -> BatchAnswer:
         """The worker stopped executing these Attempts (also allowed once its session is no
         longer open). A live lease is released at once (``lost``); an expired one keeps the
-        report as not-running evidence for recovery (``recorded``)."""
+        report as not-running evidence for recovery (``recorded``); one released because its
+        Run was cancelled answers ``cancelled`` and changes nothing (ADR 0017)."""
 
         def item(it: _BatchItem) -> ItemResult:
+            if _cancelled(check_holder(it.lease, it.fence)):
+                return ItemResult(attempt_id=it.fence.attempt_id, outcome=BatchOutcome.CANCELLED)
             detail = abandonments[it.index].detail[:MAX_DETAIL_LENGTH]
             change, recorded = self._abandonment(
                 it.uow, it.snapshot, it.lease, it.fence, detail, it.now_ms
@@ -833,6 +842,11 @@ class WorkerCommands:
 
 
 _FREES_A_SLOT = frozenset({BatchOutcome.SUCCEEDED, BatchOutcome.FAILED})
+
+
+def _cancelled(lease: DispatchLease) -> bool:
+    """The holder's lease was released because its Run was cancelled."""
+    return lease.status is LeaseStatus.RELEASED and lease.release_reason is ReleaseReason.CANCELLED
 
 
 @dataclass(frozen=True, slots=True)

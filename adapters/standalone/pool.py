@@ -48,6 +48,7 @@ class Execution:
     grant: Grant
     renew_at: float
     orphaned: bool = False
+    cancelled: bool = False  # its Run was cancelled: its end is reported as a stop
 
     @property
     def fence(self) -> LeaseFence:

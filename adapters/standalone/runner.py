@@ -81,7 +81,7 @@ from application.worker_commands import (
     SessionGrant,
     WorkerCommands,
 )
-from domain.errors import DomainError
+from domain.errors import DomainError, FenceReason
 
 Emit = Callable[[str], None]
 
@@ -376,7 +376,14 @@ class StandaloneRunner:
         if schedule.call_retry_at is not None and now < schedule.call_retry_at:
             return
         outcomes = [o for o in self._unreported if o.attempt_id in self._in_flight]
-        batch, self._unreported = outcomes[:MAX_BATCH_ITEMS], outcomes[MAX_BATCH_ITEMS:]
+        stopped = [o for o in outcomes if self._in_flight[o.attempt_id].cancelled]
+        if stopped:
+            self._report_stopped(stopped)
+            outcomes = [o for o in outcomes if o.attempt_id in self._in_flight]
+            stopped = [o for o in outcomes if self._in_flight[o.attempt_id].cancelled]
+            outcomes = [o for o in outcomes if not self._in_flight[o.attempt_id].cancelled]
+        batch, rest = outcomes[:MAX_BATCH_ITEMS], outcomes[MAX_BATCH_ITEMS:]
+        self._unreported = stopped + rest
         stopping = self._stop_requested.is_set()
         limit = 0
         if schedule.claim_due and not stopping:
@@ -421,10 +428,32 @@ class StandaloneRunner:
         if answer is not None:
             self._take(answer, limit)
 
+    def _report_stopped(self, outcomes: Sequence[Outcome]) -> None:
+        """Tasks whose Run was cancelled ended (an async task let itself be cancelled, or any
+        task returned): their stop is reported with ``abandon`` instead of a completion, and
+        whatever they returned is discarded (ADR 0017). Kept for the next call if it fails."""
+        grant = self._require_session()
+        chosen = outcomes[:MAX_BATCH_ITEMS]
+        executions = [self._in_flight[o.attempt_id] for o in chosen]
+        try:
+            self._commands.abandon_many(
+                grant.session_id,
+                grant.secret,
+                [Abandonment(fence=e.fence, detail="its run was cancelled") for e in executions],
+            )
+        except Exception as error:
+            self._emit(f"reporting stopped tasks failed: {describe_error(error)}")
+            return
+        for execution in executions:
+            del self._in_flight[execution.grant.attempt_id]
+            self._emit(f"{execution.label} ended: its run was cancelled (outcome discarded)")
+
     def _settle(self, outcomes: Sequence[Outcome], results: Sequence[ItemResult]) -> None:
         for outcome, result in zip(outcomes, results, strict=True):
             label = self._in_flight.pop(outcome.attempt_id).label
-            if not result.ok:
+            if result.reason == FenceReason.CANCELLED.value:
+                self._emit(f"{label} finished after its run was cancelled: outcome discarded")
+            elif not result.ok:
                 self._emit(f"{label} finished, but its outcome was refused: {result.message}")
             elif outcome.succeeded:
                 self._emit(f"{label} succeeded")
@@ -510,7 +539,11 @@ class StandaloneRunner:
             # running, but the fence will refuse its outcome.
             execution.orphaned = True
             self._pool.cancel(execution.grant.attempt_id)
-            self._emit(f"{execution.label} lost its lease: {result.message}")
+            if result.reason == FenceReason.CANCELLED.value:
+                execution.cancelled = True
+                self._emit(f"{execution.label}: its run was cancelled; stopping the task")
+            else:
+                self._emit(f"{execution.label} lost its lease: {result.message}")
 
     def _renew_every(self) -> float:
         return self._commands.lease_ttl_ms / 3000
