@@ -538,4 +538,3 @@ def cancel(
             {"reason": reason, "previous_status": run.status.value},
         ),
     )
-
