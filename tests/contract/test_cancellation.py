@@ -135,9 +135,7 @@ LATE_CALLS: dict[str, Callable[[WorkerCommands, LeaseFence], ItemResult]] = {
 
 
 @pytest.mark.parametrize("call", sorted(LATE_CALLS))
-def test_a_late_call_of_the_cancelled_holder_is_refused_as_cancelled(
-    store: Any, call: str
-) -> None:
+def test_a_late_call_of_the_cancelled_holder_is_refused_as_cancelled(store: Any, call: str) -> None:
     given_session(store, SESSION)
     attempt_id = given_started(store, "r1", SESSION)
     _admission(store).cancel("r1")
