@@ -73,6 +73,7 @@ from application.worker_commands import (
     MAX_BATCH_ITEMS,
     MAX_CLAIM,
     Abandonment,
+    BatchOutcome,
     ClaimAnswer,
     Completion,
     ItemResult,
@@ -658,11 +659,11 @@ class StandaloneRunner:
         if self._in_flight:
             self._emit(f"draining: waiting for {len(self._in_flight)} running attempt(s)")
         deadline = time.monotonic() + self.settings.drain_timeout_s
-        while self._in_flight and time.monotonic() < deadline and not self._hurry.is_set():
+        while self._awaited() and time.monotonic() < deadline and not self._hurry.is_set():
             self._unreported.extend(self._pool.finished())
             self._exchange()  # stopping: completions only
             self._renew_due_leases()
-            if not self._in_flight:
+            if not self._awaited():
                 break
             wake_at = [deadline]
             wake_at.extend(e.renew_at for e in self._in_flight.values() if not e.orphaned)
@@ -682,6 +683,8 @@ class StandaloneRunner:
             )
             for execution, result in zip(left, answer.results, strict=True):
                 what = "abandoned" if result.ok else f"not abandoned: {result.message}"
+                if result.outcome is BatchOutcome.CANCELLED:
+                    what = "left running: its run was cancelled (outcome discarded)"
                 self._emit(
                     f"run {execution.grant.run_id} attempt {execution.grant.attempt_number} {what}"
                 )
@@ -689,6 +692,11 @@ class StandaloneRunner:
         with contextlib.suppress(DomainError):
             self._commands.close(grant.session_id, grant.secret)
         self._emit("stopped")
+
+    def _awaited(self) -> bool:
+        """A drain waits for running tasks, but not for those whose Run was cancelled (a task
+        that ignores its cancellation would hold the drain up for nothing)."""
+        return any(not e.cancelled for e in self._in_flight.values())
 
     def _release_resources(self) -> None:
         self._closed = True
