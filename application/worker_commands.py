@@ -33,7 +33,13 @@ from domain.errors import (
     InvalidTransition,
     SessionRejected,
 )
-from domain.fence import LeaseFence, check_holder, hash_token, secrets_match
+from domain.fence import (
+    LeaseFence,
+    check_holder,
+    hash_token,
+    released_for_cancel,
+    secrets_match,
+)
 from domain.model import (
     Attempt,
     AttemptStatus,
@@ -589,7 +595,7 @@ class WorkerCommands:
 
         def item(it: _BatchItem) -> ItemResult:
             lease = check_holder(it.lease, it.fence)
-            if _cancelled(lease):
+            if released_for_cancel(lease):
                 return ItemResult(attempt_id=it.fence.attempt_id, outcome=BatchOutcome.CANCELLED)
             if lease.version != it.fence.version:
                 raise FenceRejected(FenceReason.VERSION_MISMATCH, it.fence.attempt_id)
@@ -615,7 +621,7 @@ class WorkerCommands:
         Run was cancelled answers ``cancelled`` and changes nothing (ADR 0017)."""
 
         def item(it: _BatchItem) -> ItemResult:
-            if _cancelled(check_holder(it.lease, it.fence)):
+            if released_for_cancel(check_holder(it.lease, it.fence)):
                 return ItemResult(attempt_id=it.fence.attempt_id, outcome=BatchOutcome.CANCELLED)
             detail = abandonments[it.index].detail[:MAX_DETAIL_LENGTH]
             change, recorded = self._abandonment(
@@ -842,11 +848,6 @@ class WorkerCommands:
 
 
 _FREES_A_SLOT = frozenset({BatchOutcome.SUCCEEDED, BatchOutcome.FAILED})
-
-
-def _cancelled(lease: DispatchLease) -> bool:
-    """The holder's lease was released because its Run was cancelled."""
-    return lease.status is LeaseStatus.RELEASED and lease.release_reason is ReleaseReason.CANCELLED
 
 
 @dataclass(frozen=True, slots=True)

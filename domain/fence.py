@@ -44,11 +44,16 @@ def check_holder(lease: DispatchLease | None, fence: LeaseFence) -> DispatchLeas
     return lease
 
 
+def released_for_cancel(lease: DispatchLease) -> bool:
+    """The lease was released because its Run was cancelled (ADR 0017)."""
+    return lease.status is LeaseStatus.RELEASED and lease.release_reason is ReleaseReason.CANCELLED
+
+
 def check_not_cancelled(lease: DispatchLease, attempt_id: str) -> DispatchLease:
     """Refuse, as ``cancelled``, the holder of a lease released because its Run was cancelled
     (whatever version a fence names: a released lease never changes again), so the worker
     knows to stop the task rather than to treat it as a stale fence (ADR 0017)."""
-    if lease.status is LeaseStatus.RELEASED and lease.release_reason is ReleaseReason.CANCELLED:
+    if released_for_cancel(lease):
         raise FenceRejected(FenceReason.CANCELLED, attempt_id)
     return lease
 
