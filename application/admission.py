@@ -9,10 +9,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from application.ports import Identities, UnitOfWork, UnitOfWorkFactory
-from domain.errors import ConcurrencyConflict, InvalidAdmission, InvalidTransition
-from domain.model import JsonValue, RunOwner
+from domain.errors import ConcurrencyConflict, InvalidAdmission
+from domain.model import JsonValue, RunOwner, RunStatus
 from domain.policy import RetryPolicy
-from domain.states import WAITING_RUN_STATUSES
 from domain.transitions import Change, admit, cancel, due_time
 
 MAX_BATCH = 10_000
@@ -154,26 +153,17 @@ class Admission:
             answers.append(Admitted(run_id=change.run.id))
         return answers, changes
 
-    def cancel(self, run_id: str, reason: str = "cancelled by operator") -> None:
-        """Cancel a non-terminal Run; its live lease is released, so a late worker's completion
-        is refused by the fence."""
-        self._cancel(run_id, reason, waiting_only=False)
-
-    def cancel_waiting(self, run_id: str, reason: str = "cancelled") -> None:
-        """Cancel a Run that no Attempt executes yet (``created``, ``queued``, ``retry_wait``);
-        a started or finished Run is refused and nothing changes."""
-        self._cancel(run_id, reason, waiting_only=True)
-
-    def _cancel(self, run_id: str, reason: str, *, waiting_only: bool) -> None:
+    def cancel(self, run_id: str, reason: str = "cancelled") -> RunStatus:
+        """Cancel an unfinished Run at once and return the status it had (ADR 0017). A waiting
+        Run (``created``, ``queued``, ``retry_wait``) simply ends; a running Attempt is
+        cancelled with it and its lease released for ``cancelled`` (version + 1), so the fence
+        refuses the worker's renewal, completion or hand-back with reason ``cancelled`` and the
+        worker stops the task. A finished Run is refused (:class:`InvalidTransition`) and
+        nothing changes; an unknown id raises :class:`UnknownRun`."""
         with self._uow_factory() as uow:
             snapshot = uow.runs.lock_run(run_id)
             if snapshot is None:
                 raise UnknownRun(run_id)
-            status = snapshot.run.status
-            if status.is_terminal:
-                raise InvalidTransition("run", run_id, status.value, "be cancelled")
-            if waiting_only and status not in WAITING_RUN_STATUSES:
-                raise InvalidTransition("run", run_id, status.value, "be cancelled once started")
             change = cancel(
                 run=snapshot.run,
                 attempt=snapshot.attempt,
@@ -183,6 +173,7 @@ class Admission:
             )
             uow.runs.apply(snapshot, change)
             uow.commit()
+        return snapshot.run.status
 
 
 def _held(uow: UnitOfWork, keys: Sequence[str]) -> Mapping[str, str]:

@@ -33,7 +33,13 @@ from domain.errors import (
     InvalidTransition,
     SessionRejected,
 )
-from domain.fence import LeaseFence, check_holder, hash_token, secrets_match
+from domain.fence import (
+    LeaseFence,
+    check_holder,
+    hash_token,
+    released_for_cancel,
+    secrets_match,
+)
 from domain.model import (
     Attempt,
     AttemptStatus,
@@ -142,6 +148,9 @@ class BatchOutcome(enum.Enum):
     LOST = "lost"
     RECORDED = "recorded"
     RELEASED = "released"
+    # an abandon or hand-back of an Attempt whose Run was cancelled: the stop is taken, and
+    # nothing changes (the cancellation already settled the Attempt and released its lease)
+    CANCELLED = "cancelled"
 
 
 class Rejection(enum.Enum):
@@ -574,7 +583,8 @@ class WorkerCommands:
     ) -> BatchAnswer:
         """Report outcomes; each lease is released with reason ``completed``. Repeating a
         completion that was already recorded with the same fence answers
-        ``already_completed`` and changes nothing."""
+        ``already_completed`` and changes nothing; a completion of an Attempt whose Run was
+        cancelled is refused with reason ``cancelled``."""
         return self._batch(
             session_id,
             secret,
@@ -591,6 +601,8 @@ class WorkerCommands:
 
         def item(it: _BatchItem) -> ItemResult:
             lease = check_holder(it.lease, it.fence)
+            if released_for_cancel(lease):
+                return ItemResult(attempt_id=it.fence.attempt_id, outcome=BatchOutcome.CANCELLED)
             if lease.version != it.fence.version:
                 raise FenceRejected(FenceReason.VERSION_MISMATCH, it.fence.attempt_id)
             change = release(
@@ -611,9 +623,12 @@ class WorkerCommands:
     ) -> BatchAnswer:
         """The worker stopped executing these Attempts (also allowed once its session is no
         longer open). A live lease is released at once (``lost``); an expired one keeps the
-        report as not-running evidence for recovery (``recorded``)."""
+        report as not-running evidence for recovery (``recorded``); one released because its
+        Run was cancelled answers ``cancelled`` and changes nothing (ADR 0017)."""
 
         def item(it: _BatchItem) -> ItemResult:
+            if released_for_cancel(check_holder(it.lease, it.fence)):
+                return ItemResult(attempt_id=it.fence.attempt_id, outcome=BatchOutcome.CANCELLED)
             detail = abandonments[it.index].detail[:MAX_DETAIL_LENGTH]
             change, recorded = self._abandonment(
                 it.uow, it.snapshot, it.lease, it.fence, detail, it.now_ms

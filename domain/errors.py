@@ -51,6 +51,8 @@ class FenceReason(enum.Enum):
     TOKEN_MISMATCH = "token_mismatch"
     RELEASED = "released"
     EXPIRED = "expired"
+    # the fence's own lease was released because its Run was cancelled: stop the task
+    CANCELLED = "cancelled"
 
 
 class FenceRejected(DomainError):

@@ -8,7 +8,7 @@ import hmac
 from attrs import frozen
 
 from domain.errors import FenceReason, FenceRejected
-from domain.model import DispatchLease, LeaseStatus
+from domain.model import DispatchLease, LeaseStatus, ReleaseReason
 
 
 def hash_token(token: str) -> str:
@@ -44,9 +44,23 @@ def check_holder(lease: DispatchLease | None, fence: LeaseFence) -> DispatchLeas
     return lease
 
 
+def released_for_cancel(lease: DispatchLease) -> bool:
+    """The lease was released because its Run was cancelled (ADR 0017)."""
+    return lease.status is LeaseStatus.RELEASED and lease.release_reason is ReleaseReason.CANCELLED
+
+
+def check_not_cancelled(lease: DispatchLease, attempt_id: str) -> DispatchLease:
+    """Refuse, as ``cancelled``, the holder of a lease released because its Run was cancelled
+    (whatever version a fence names: a released lease never changes again), so the worker
+    knows to stop the task rather than to treat it as a stale fence (ADR 0017)."""
+    if released_for_cancel(lease):
+        raise FenceRejected(FenceReason.CANCELLED, attempt_id)
+    return lease
+
+
 def check_fence(lease: DispatchLease | None, fence: LeaseFence, now_ms: int) -> DispatchLease:
     """Accept the fence only while that exact lease is ``leased`` and unexpired."""
-    lease = check_holder(lease, fence)
+    lease = check_not_cancelled(check_holder(lease, fence), fence.attempt_id)
     if lease.version != fence.version:
         raise FenceRejected(FenceReason.VERSION_MISMATCH, fence.attempt_id)
     if lease.status is not LeaseStatus.LEASED:

@@ -78,10 +78,6 @@ delayed, until the store's clock reaches its due time (ADR 0015)."""
 CLAIMABLE_RUN_STATUSES = frozenset({R.QUEUED})
 """Where a worker's claim starts a Run (with its pristine Attempt)."""
 
-WAITING_RUN_STATUSES = frozenset({R.CREATED, R.QUEUED, R.RETRY_WAIT})
-"""No Attempt of the Run executes: it waits for its first or next Attempt, or for a worker's
-claim. Cancelling such a Run stops nothing that runs."""
-
 RECOVERABLE_RUN_STATUSES = frozenset({R.DISPATCHING, R.RUNNING, R.LOST})
 """Runs whose Attempt may have lost its lease authority (rule 1 of ADR 0002)."""
 

@@ -20,7 +20,7 @@ from domain.errors import (
     SessionRejected,
 )
 from domain.events import EventType, RunEvent
-from domain.fence import LeaseFence, check_fence
+from domain.fence import LeaseFence, check_fence, check_not_cancelled
 from domain.model import (
     MAX_PRIORITY,
     MAX_TIMEOUT_MS,
@@ -49,6 +49,7 @@ from domain.states import (
 )
 
 MAX_TASK_NAME_LENGTH = 200
+MAX_CANCEL_REASON_LENGTH = 500
 
 
 def storable_text(value: JsonValue) -> bool:
@@ -344,6 +345,8 @@ def release(
     _require_attempt(run, attempt, AttemptStatus.CLAIMED, "be handed back")
     own = _lease_of(attempt, lease)
     if own is None or own.status is not LeaseStatus.LEASED:
+        if own is not None:
+            check_not_cancelled(own, attempt.id)
         raise FenceRejected(FenceReason.RELEASED if own else FenceReason.NO_LEASE, attempt.id)
     if own.holder_session_id != session_id:
         raise SessionRejected(f"attempt {attempt.id} is not held by session {session_id}")
@@ -570,8 +573,13 @@ def cancel(
     reason: str,
     now_ms: int,
 ) -> Change:
-    """Cancel a non-terminal Run, its current Attempt and that Attempt's leased lease."""
+    """Cancel a non-terminal Run, its current Attempt and that Attempt's leased lease (released
+    for ``cancelled``, version + 1: the holder's later calls are refused as ``cancelled``)."""
     _require_run(run, RunStatus.CANCELLED, "be cancelled")
+    if not reason or len(reason) > MAX_CANCEL_REASON_LENGTH or not storable_text(reason):
+        raise InvalidAdmission(
+            f"a cancellation reason must be 1..{MAX_CANCEL_REASON_LENGTH} characters, without NUL"
+        )
     attempts: tuple[Attempt, ...] = ()
     released: DispatchLease | None = None
     if attempt is not None and not attempt.status.is_terminal:
@@ -600,7 +608,6 @@ def cancel(
             attempts[0] if attempts else attempt,
             EventType.RUN_CANCELLED,
             now_ms,
-            {"reason": reason},
+            {"reason": reason, "previous_status": run.status.value},
         ),
     )
-

@@ -335,13 +335,17 @@ class Runtime:
     def _finish_signal(self) -> FinishSignal:
         return SLEEPING
 
-    def cancel(self, run_id: str, reason: str = "cancelled") -> None:
-        """Cancel a run that has not started (``queued``, ``created`` or ``retry_wait``): it
-        never runs. A started or finished run is refused and nothing changes."""
-        self._producer.admission.cancel_waiting(run_id, reason)
+    def cancel(self, run_id: str, reason: str = "cancelled") -> RunStatus:
+        """Cancel an unfinished run at once and return the status it had. A waiting run
+        (``created``, ``queued``, ``retry_wait``, delayed) never runs; a running Attempt is
+        cancelled too and its lease released, so its worker is refused at its next call (a
+        renewal, at most a third of the lease TTL later, or its completion), stops the task
+        and discards any result (ADR 0017). A finished run raises ``InvalidTransition`` and
+        nothing changes; an unknown id raises ``UnknownRun``."""
+        return self._producer.admission.cancel(run_id, reason)
 
-    async def acancel(self, run_id: str, reason: str = "cancelled") -> None:
-        await asyncio.to_thread(self.cancel, run_id, reason)
+    async def acancel(self, run_id: str, reason: str = "cancelled") -> RunStatus:
+        return await asyncio.to_thread(self.cancel, run_id, reason)
 
     # --- finished history -------------------------------------------------------------------------
 

@@ -416,6 +416,40 @@ def runs_prune(
     _emit(as_json, report.as_dict(), text)
 
 
+@runs.command("cancel")
+@click.argument("run_id")
+@click.option(
+    "--reason",
+    default="cancelled by operator",
+    show_default=True,
+    help="Why (kept as the run's error).",
+)
+@database_option
+@json_option
+def runs_cancel(run_id: str, reason: str, database_url: str | None, as_json: bool) -> None:
+    """Cancel an unfinished run now; a running task is stopped by its worker at its next call
+    to the node (ADR 0017)."""
+    from domain.errors import InvalidTransition
+    from domain.transitions import MAX_CANCEL_REASON_LENGTH
+
+    if not reason.strip() or len(reason) > MAX_CANCEL_REASON_LENGTH or "\x00" in reason:
+        _fail_usage(f"--reason must be 1..{MAX_CANCEL_REASON_LENGTH} characters, without NUL")
+    with _producer(database_url) as producer:
+        try:
+            was = producer.admission.cancel(run_id, reason)
+        except InvalidTransition as refused:
+            raise Failure(
+                f"run {run_id} is {refused.status}: a finished run cannot be "
+                "cancelled; nothing changed"
+            ) from None
+    document = {"run_id": run_id, "status": RunStatus.CANCELLED.value, "was": was.value}
+    _emit(
+        as_json,
+        document,
+        lambda: click.echo(f"cancelled run {run_id} (was {was.value})"),
+    )
+
+
 def _iso(ms: int) -> str:
     from datetime import UTC, datetime
 

@@ -23,6 +23,7 @@ from adapters.http.schemas import (
 from application.worker_commands import (
     Abandonment,
     BatchAnswer,
+    BatchOutcome,
     Completion,
     ItemResult,
     Rejection,
@@ -129,10 +130,11 @@ def abandon(
     session_id: SessionId, secret: Secret, body: AbandonBatch, ingress: Ingress
 ) -> BatchResponse:
     """The worker stopped executing these attempts (allowed on a closed session too): a live
-    lease is lost at once, an expired one keeps the report as evidence (``recorded``)."""
+    lease is lost at once, an expired one keeps the report as evidence (``recorded``), one
+    released because its run was cancelled answers ``cancelled`` and changes nothing."""
     gone = [Abandonment(fence=fence_of(i), detail=i.detail) for i in body.items]
     answer = translated(lambda: ingress.commands.abandon_many(session_id, secret, gone))
     ingress.signal.wake_session(session_id)
-    if any(r.ok for r in answer.results):
-        ingress.attempts_ended()
+    if any(r.ok and r.outcome is not BatchOutcome.CANCELLED for r in answer.results):
+        ingress.attempts_ended()  # a cancelled attempt ended when it was cancelled
     return batch_body(answer)

@@ -158,11 +158,18 @@ class ItemResultBody(BaseModel):
     )
     outcome: str | None = Field(
         default=None,
-        description="renewed, succeeded, failed, already_completed, lost, recorded or released.",
+        description="renewed, succeeded, failed, already_completed, lost, recorded, released, "
+        "or cancelled (an abandon or hand-back of an attempt whose run was cancelled: taken, "
+        "nothing changed).",
     )
     expires_at_ms: int | None = None
     error: str | None = None
-    reason: str | None = None
+    reason: str | None = Field(
+        default=None,
+        description="Why a fence was refused: no_lease, attempt_mismatch, generation_mismatch, "
+        "version_mismatch, token_mismatch, released, expired, or cancelled (the run was "
+        "cancelled and the lease released for it: stop the task and abandon it).",
+    )
     message: str | None = None
 
 

@@ -54,6 +54,7 @@ class Execution:
     orphaned: bool = False
     timeout_at: float | None = None
     timed_out: bool = False  # reported as timed out: what its thread returns later is dropped
+    cancelled: bool = False  # its Run was cancelled: its end is reported as a stop
 
     @property
     def fence(self) -> LeaseFence:

@@ -73,6 +73,7 @@ from application.worker_commands import (
     MAX_BATCH_ITEMS,
     MAX_CLAIM,
     Abandonment,
+    BatchOutcome,
     ClaimAnswer,
     Completion,
     ItemResult,
@@ -81,7 +82,7 @@ from application.worker_commands import (
     SessionGrant,
     WorkerCommands,
 )
-from domain.errors import DomainError
+from domain.errors import DomainError, FenceReason
 from domain.retry import timed_out_error
 
 Emit = Callable[[str], None]
@@ -403,7 +404,14 @@ class StandaloneRunner:
         if schedule.call_retry_at is not None and now < schedule.call_retry_at:
             return
         outcomes = [o for o in self._unreported if o.attempt_id in self._in_flight]
-        batch, self._unreported = outcomes[:MAX_BATCH_ITEMS], outcomes[MAX_BATCH_ITEMS:]
+        stopped = [o for o in outcomes if self._in_flight[o.attempt_id].cancelled]
+        if stopped:
+            self._report_stopped(stopped)
+            outcomes = [o for o in outcomes if o.attempt_id in self._in_flight]
+            stopped = [o for o in outcomes if self._in_flight[o.attempt_id].cancelled]
+            outcomes = [o for o in outcomes if not self._in_flight[o.attempt_id].cancelled]
+        batch, rest = outcomes[:MAX_BATCH_ITEMS], outcomes[MAX_BATCH_ITEMS:]
+        self._unreported = stopped + rest
         stopping = self._stop_requested.is_set()
         limit = 0
         if schedule.claim_due and not stopping:
@@ -449,11 +457,33 @@ class StandaloneRunner:
         if answer is not None:
             self._take(answer, limit)
 
+    def _report_stopped(self, outcomes: Sequence[Outcome]) -> None:
+        """Tasks whose Run was cancelled ended (an async task let itself be cancelled, or any
+        task returned): their stop is reported with ``abandon`` instead of a completion, and
+        whatever they returned is discarded (ADR 0017). Kept for the next call if it fails."""
+        grant = self._require_session()
+        chosen = outcomes[:MAX_BATCH_ITEMS]
+        executions = [self._in_flight[o.attempt_id] for o in chosen]
+        try:
+            self._commands.abandon_many(
+                grant.session_id,
+                grant.secret,
+                [Abandonment(fence=e.fence, detail="its run was cancelled") for e in executions],
+            )
+        except Exception as error:
+            self._emit(f"reporting stopped tasks failed: {describe_error(error)}")
+            return
+        for execution in executions:
+            del self._in_flight[execution.grant.attempt_id]
+            self._emit(f"{execution.label} ended: its run was cancelled (outcome discarded)")
+
     def _settle(self, outcomes: Sequence[Outcome], results: Sequence[ItemResult]) -> None:
         for outcome, result in zip(outcomes, results, strict=True):
             execution = self._in_flight.pop(outcome.attempt_id)
             label = execution.label
-            if not result.ok:
+            if result.reason == FenceReason.CANCELLED.value:
+                self._emit(f"{label} finished after its run was cancelled: outcome discarded")
+            elif not result.ok:
                 self._emit(f"{label} finished, but its outcome was refused: {result.message}")
             elif outcome.succeeded:
                 self._emit(f"{label} succeeded")
@@ -546,7 +576,11 @@ class StandaloneRunner:
             # running, but the fence will refuse its outcome.
             execution.orphaned = True
             self._pool.cancel(execution.grant.attempt_id)
-            self._emit(f"{execution.label} lost its lease: {result.message}")
+            if result.reason == FenceReason.CANCELLED.value:
+                execution.cancelled = True
+                self._emit(f"{execution.label}: its run was cancelled; stopping the task")
+            else:
+                self._emit(f"{execution.label} lost its lease: {result.message}")
 
     def _renew_every(self) -> float:
         return self._commands.lease_ttl_ms / 3000
@@ -666,12 +700,12 @@ class StandaloneRunner:
         if self._in_flight:
             self._emit(f"draining: waiting for {len(self._in_flight)} running attempt(s)")
         deadline = time.monotonic() + self.settings.drain_timeout_s
-        while self._in_flight and time.monotonic() < deadline and not self._hurry.is_set():
+        while self._awaited() and time.monotonic() < deadline and not self._hurry.is_set():
             self._unreported.extend(self._finished())
             self._stop_timed_out()
             self._exchange()  # stopping: completions only
             self._renew_due_leases()
-            if not self._in_flight:
+            if not self._awaited():
                 break
             wake_at = [deadline]
             wake_at.extend(e.renew_at for e in self._in_flight.values() if not e.orphaned)
@@ -696,6 +730,8 @@ class StandaloneRunner:
             )
             for execution, result in zip(left, answer.results, strict=True):
                 what = "abandoned" if result.ok else f"not abandoned: {result.message}"
+                if result.outcome is BatchOutcome.CANCELLED:
+                    what = "left running: its run was cancelled (outcome discarded)"
                 self._emit(
                     f"run {execution.grant.run_id} attempt {execution.grant.attempt_number} {what}"
                 )
@@ -703,6 +739,11 @@ class StandaloneRunner:
         with contextlib.suppress(DomainError):
             self._commands.close(grant.session_id, grant.secret)
         self._emit("stopped")
+
+    def _awaited(self) -> bool:
+        """A drain waits for running tasks, but not for those whose Run was cancelled (a task
+        that ignores its cancellation would hold the drain up for nothing)."""
+        return any(not e.cancelled for e in self._in_flight.values())
 
     def _release_resources(self) -> None:
         self._closed = True

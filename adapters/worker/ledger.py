@@ -28,7 +28,11 @@ gone).
 
 A task that runs past its run's timeout (``timeout_ms`` of its grant, counted from the grant's
 arrival) is stopped like a self-fenced one, by the watchdog; the outcome of that stop is a
-failure that timed out, sent as a completion (``timed_out``), not an abandon (ADR 0013)."""
+failure that timed out, sent as a completion (``timed_out``), not an abandon (ADR 0013).
+
+A renewal refused with reason ``cancelled`` (its Run was cancelled, ADR 0017) stops the task as
+self-fencing does; its abandon (or hand-back) is then answered ``cancelled`` and the entry
+leaves. A completion refused ``cancelled`` (the task ended first) is discarded."""
 
 from __future__ import annotations
 
@@ -59,6 +63,7 @@ log = logging.getLogger("ql3.worker")
 
 RETRY_ITEM_S = 0.1  # the pause before an item the node did not decide is sent again
 EXPIRED = "expired"  # the fence reason of a lease past its expiry
+CANCELLED = "cancelled"  # the fence reason (and stop outcome) of an Attempt whose Run was cancelled
 CONFLICT = "conflict"  # an item refused by a concurrent change: it may be sent again
 INVALID = "invalid"  # an item the ingress cannot take (its output, say)
 
@@ -185,6 +190,7 @@ class Ledger:
         self.completed = 0
         self.abandoned = 0
         self.released = 0
+        self.cancelled = 0  # tasks stopped (or never begun) because their Run was cancelled
 
     # --- the worker's mode ----------------------------------------------------------------------
 
@@ -539,6 +545,13 @@ class Ledger:
             self.completed += 1
         elif item.error == INVALID:
             self._refuse_result(held, item.reason or item.error)
+        elif item.reason == CANCELLED:
+            self._drop(held)
+            self.cancelled += 1
+            log.warning(
+                "attempt %s finished after its run was cancelled: result discarded",
+                held.attempt_id,
+            )
         elif item.reason == EXPIRED:
             # It ran: the report keeps the lease's Attempt from being handed back unstarted.
             held.detail = "finished after its lease expired; result discarded"
@@ -566,6 +579,11 @@ class Ledger:
                 if item is None or (not item.ok and item.error == CONFLICT):
                     held.retry_at = now + RETRY_ITEM_S
                     self._move(held, Phase.STOPPED, now)
+                    continue
+                if item.ok and item.outcome == CANCELLED:
+                    self._drop(held)
+                    self.cancelled += 1
+                    log.warning("attempt %s stopped: its run was cancelled", held.attempt_id)
                     continue
                 if item.ok:
                     self.abandoned += 1
@@ -617,7 +635,10 @@ class Ledger:
                     self._move(held, Phase.UNSTARTED, now)
                     continue
                 self._drop(held)
-                if item.ok:
+                if item.ok and item.outcome == CANCELLED:
+                    self.cancelled += 1
+                    log.info("attempt %s not started: its run was cancelled", held.attempt_id)
+                elif item.ok:
                     self.released += 1
                     log.info("attempt %s handed back (%s)", held.attempt_id, held.cause)
                 else:
@@ -657,7 +678,15 @@ class Ledger:
                     held.deadline = max(held.deadline, result.sent_at + item.expires_in_s)
                 elif not item.ok and item.error != CONFLICT:
                     held.renewed = False  # the lease is not (or no longer) its to renew
-                    if held.phase is Phase.RUNNING:
+                    if held.phase is Phase.RUNNING and item.reason == CANCELLED:
+                        log.warning(
+                            "attempt %s: its run was cancelled; stopping the task",
+                            held.attempt_id,
+                        )
+                        kill = self._stop(held, "its run was cancelled", CANCELLED)
+                        if kill is not None:
+                            kills.append(kill)
+                    elif held.phase is Phase.RUNNING:
                         kill = self._stop(
                             held,
                             f"lease refused at renewal: {item.reason or item.error}",

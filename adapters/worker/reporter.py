@@ -6,9 +6,9 @@ waits behind a claim parked at the node:
   alone (a claim that carried them was refused). A ``complete`` call also wakes the parked
   claim at the node, which then claims again for the freed slot;
 - **abandons** of tasks that began and were stopped (self-fence, drain timeout, renewal
-  refused), and **releases** of Attempts that never began here (granted while draining, no free
-  slot, cancelled before their job reached the child, a slot that failed), as soon as they
-  occur;
+  refused, their Run cancelled), and **releases** of Attempts that never began here (granted
+  while draining, no free slot, cancelled before their job reached the child, a slot that
+  failed), as soon as they occur;
 - **renewals** of every held lease in one batch, once the first of them has less than two
   thirds of the TTL left, and probes of the leases whose abandon was only recorded (see
   :mod:`.ledger`);

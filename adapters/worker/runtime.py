@@ -214,11 +214,12 @@ class Worker:
                     self._client.close()
                     log.info(
                         "session %s drained and closed (%d completed, %d abandoned, "
-                        "%d handed back; %d claims, %d other calls)",
+                        "%d handed back, %d cancelled; %d claims, %d other calls)",
                         self.session_id,
                         self.completed,
                         self.abandoned,
                         self.released,
+                        self.ledger.cancelled,
                         self.claimer.claims if self.claimer else 0,
                         self._client.other_calls,
                     )

@@ -111,10 +111,8 @@ def test_cancel_of_a_running_run_fences_out_the_worker(svc: Services) -> None:
     assert lease.status is LeaseStatus.RELEASED
     assert lease.release_reason is ReleaseReason.CANCELLED
     before = store_view(svc.store, [worker.session_id])
-    result = worker.complete(fence)  # the release moved the lease's version on
-    assert (result.rejection, result.reason) == (
-        Rejection.FENCE, FenceReason.VERSION_MISMATCH.value
-    )
+    result = worker.complete(fence)  # the holder is told why: its run was cancelled
+    assert (result.rejection, result.reason) == (Rejection.FENCE, FenceReason.CANCELLED.value)
     assert store_view(svc.store, [worker.session_id]) == before
 
 

@@ -138,7 +138,7 @@ def test_a_due_time_not_in_the_future_admits_the_run_queued_at_once(store: Any) 
 
 def test_a_delayed_run_is_cancelled_at_once_and_never_queued(store: Any, advance: Advance) -> None:
     run_id = _delayed(store)
-    _admission(store).cancel_waiting(run_id, "not needed")
+    _admission(store).cancel(run_id, "not needed")
     advance(DELAY_MS)
     assert store.due_retries(16).items == ()
     assert _lost_retry(store).run_once().attempts_created == 0
@@ -208,7 +208,7 @@ def test_the_key_is_free_again_once_the_run_finished(store: Any) -> None:
     with store.unit_of_work() as uow:
         assert uow.runs.unfinished_with_keys(["k"]) == {"k": second.run_id}
 
-    _admission(store).cancel_waiting(second.run_id)
+    _admission(store).cancel(second.run_id)
     third = _keyed(store, "k")
     assert not third.existing and third.run_id not in {first.run_id, second.run_id}
 

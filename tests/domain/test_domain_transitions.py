@@ -424,6 +424,27 @@ def test_check_fence_every_reason() -> None:
         (lease, evolve(fence, version=2), FenceReason.VERSION_MISMATCH),
         (evolve(lease, status=LeaseStatus.RELEASED), fence, FenceReason.RELEASED),
         (evolve(lease, expires_at_ms=now), fence, FenceReason.EXPIRED),
+        # released because its Run was cancelled: the holder is told so, whatever its version
+        (
+            evolve(lease, status=LeaseStatus.RELEASED, release_reason=ReleaseReason.CANCELLED),
+            fence,
+            FenceReason.CANCELLED,
+        ),
+        (
+            evolve(
+                lease,
+                status=LeaseStatus.RELEASED,
+                release_reason=ReleaseReason.CANCELLED,
+                version=lease.version + 1,
+            ),
+            fence,
+            FenceReason.CANCELLED,
+        ),
+        (
+            evolve(lease, status=LeaseStatus.RELEASED, release_reason=ReleaseReason.CANCELLED),
+            evolve(fence, token=OTHER_TOKEN),
+            FenceReason.TOKEN_MISMATCH,
+        ),
     ]
     seen = set()
     for candidate, presented, reason in cases:

@@ -857,3 +857,31 @@ def test_unstorable_outputs_details_and_causes_are_admission_errors(env: Env, ba
     assert env.dump() == before
     # Nothing was lost on the way: the Attempt is still the worker's to complete.
     assert worker.complete(fence).outcome is BatchOutcome.SUCCEEDED
+
+
+def test_the_holder_of_a_cancelled_attempt_is_told_cancelled_and_nothing_is_written(
+    env: Env,
+) -> None:
+    """The ingress role only reads: the reason ``cancelled`` is decided in Python from the
+    lease it read (released for ``cancelled``), and no function is called to write (ADR 0017)."""
+    run_id = env.admission.submit("t")
+    worker = register(env)
+    (fence,) = worker.take_all()
+    assert env.admission.cancel(run_id) is RunStatus.RUNNING
+    before = env.dump()
+    failed = [Completion(fence=fence, succeeded=False)]
+    results = [
+        worker.renew(fence),
+        worker.complete(fence, succeeded=True, output=1),
+        worker.claim(0, completions=failed, held=[]).completed[0],
+    ]
+    for result in results:
+        assert (result.rejection, result.reason) == (Rejection.FENCE, FenceReason.CANCELLED.value)
+    assert worker.abandon(fence, "its run was cancelled").outcome is BatchOutcome.CANCELLED
+    assert worker.release(fence).outcome is BatchOutcome.CANCELLED
+    assert env.dump() == before
+    assert run_state(env, run_id) == (
+        RunStatus.CANCELLED,
+        [AttemptStatus.CANCELLED],
+        ["run_admitted", "attempt_started", "run_cancelled"],
+    )

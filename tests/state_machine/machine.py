@@ -49,14 +49,16 @@ from application.startup import StartupRecovery
 from application.worker_commands import (
     Abandonment,
     BatchAnswer,
+    BatchOutcome,
     ClaimAnswer,
     Completion,
     ItemResult,
     NoGrant,
+    Rejection,
     Release,
     WorkerCommands,
 )
-from domain.errors import InvalidTransition, SessionRejected
+from domain.errors import FenceReason, InvalidTransition, SessionRejected
 from domain.events import EventType
 from domain.fence import LeaseFence, hash_token
 from domain.model import (
@@ -74,7 +76,6 @@ from domain.policy import RETRYABLE_SAFETY, Backoff, RetryPolicy, Safety
 from domain.states import (
     OPEN_SESSION_STATUSES,
     RECOVERABLE_RUN_STATUSES,
-    WAITING_RUN_STATUSES,
 )
 from tests.application.support import CountingIdentities, RunView, StoreView, store_view
 
@@ -322,6 +323,8 @@ def _fence_error(
         return "token_mismatch"
     if holder_only:
         return None
+    if _cancelled(lease):
+        return "cancelled"  # the holder is told why, whatever version it names (ADR 0017)
     if lease.version != fence.version:
         return "version_mismatch"
     if lease.status is not LeaseStatus.LEASED:
@@ -329,6 +332,10 @@ def _fence_error(
     if lease.expires_at_ms <= now:
         return "expired"
     return None
+
+
+def _cancelled(lease: DispatchLease) -> bool:
+    return lease.status is LeaseStatus.RELEASED and lease.release_reason is ReleaseReason.CANCELLED
 
 
 def _fence_rejected(reason: str) -> Expect:
@@ -378,6 +385,8 @@ def expect_item(
         if error is not None:
             return _fence_rejected(error)
         assert lease is not None
+        if _cancelled(lease):
+            return ("ok", "cancelled", None)  # the stop is taken; nothing changes
         if lease.version != fence.version:
             return _fence_rejected("version_mismatch")
         if run.status not in (RunStatus.RUNNING, RunStatus.DISPATCHING):
@@ -391,6 +400,8 @@ def expect_item(
         return ("ok", "released", None)
     assert command == "abandon", command
     error = _fence_error(lease, fence, now)
+    if error == "cancelled":
+        return ("ok", "cancelled", None)  # the stop is taken; nothing changes
     if error == "expired":
         return STATE if attempt.status.is_terminal else ("ok", "recorded", None)
     if error is not None:
@@ -540,6 +551,7 @@ def make_machine(
             self.tokens = 0
             self.previous: StoreView | None = None
             self.pruned: set[str] = set()  # Runs a prune deleted (ADR 0016)
+            self.cancelled_at: dict[str, frozenset[str]] = {}
 
         # --- helpers ------------------------------------------------------------------------
 
@@ -651,7 +663,7 @@ def make_machine(
             other_leases = [x for x in rb.leases if x.generation != fence.generation]
             assert [x for x in ra.leases if x.generation != fence.generation] == other_leases
             _count(f"effect:{command}:{outcome}")
-            if outcome in ("already_completed",):
+            if outcome in ("already_completed", "cancelled"):
                 assert ra == rb
                 return
             if outcome == "recorded":
@@ -752,7 +764,7 @@ def make_machine(
                 assert got in allowed, (command, fence, got, allowed)
                 if got[0] == "ok":
                     run_id = self.run_of(fence.attempt_id)
-                    if got[1] != "already_completed":
+                    if got[1] not in ("already_completed", "cancelled"):
                         assert run_id not in touched, "two items changed one run"
                         touched.add(run_id)
                     self.check_effect(got[1], command, fence, caller, before, after, now, later,
@@ -1387,7 +1399,7 @@ def make_machine(
                 return
             raise AssertionError(f"cancel of the pruned run {run} was taken")
 
-        # === delayed and unique submissions (ADR 0015) ====================================
+        # === delayed and unique submissions (ADR 0015) =============================
         #
         # A delayed run waits in retry_wait without an Attempt until the store's clock reaches
         # its due time; the cadence's lost-retry step then makes its Attempt 1. A unique key
@@ -1450,17 +1462,21 @@ def make_machine(
 
         @rule(run=delayed)
         def cancel_delayed(self, run: str) -> None:
-            """Cancel a delayed run: at once while it waits; refused once started or
-            finished, changing nothing."""
+            """Cancel a delayed run: at once, whatever it is doing, unless it finished (refused,
+            nothing changes) or was pruned (unknown, nothing changes)."""
             before = self.current()
+            if run in self.pruned:
+                self.operator_on_pruned(run, before)
+                return
             status = before.runs[run].run.status
             try:
-                self.admission.cancel_waiting(run, "not needed")
+                was = self.admission.cancel(run, "not needed")
             except InvalidTransition:
-                assert status.is_terminal or status not in WAITING_RUN_STATUSES, status
+                assert status.is_terminal, status
                 self.expect_unchanged(before)
                 return
-            assert status in WAITING_RUN_STATUSES, status
+            assert was is status and not status.is_terminal, (was, status)
+            STATS[f"cancel_delayed:{status.value}"] += 1
             after = self.view()
             rv = after.runs[run]
             assert rv.run.status is RunStatus.CANCELLED
@@ -1488,6 +1504,101 @@ def make_machine(
                 else:
                     # its Attempt 1 was made no earlier than its due time
                     assert rv.attempts[0].created_at_ms >= due, (rv.attempts[0], due)
+        # --- cancellation (ADR 0017) --------------------------------------------------------
+        #
+        # A cancel at any point of a Run's life: ``operator`` above cancels any Run of the
+        # bundle; ``cancel_running`` cancels a running one, and ``told_cancelled`` plays its
+        # worker's next calls. ``cancelled_at`` keeps, per cancelled Run, the Attempts ever
+        # claimed when it was cancelled: the invariants check that none is claimed after.
+
+        @precondition(lambda self: self.running_runs())
+        @rule(pick=st.integers(0, 63))
+        def cancel_running(self, pick: int) -> None:
+            """An operator cancels a running Run: the Run and its Attempt are cancelled at
+            once, the lease released for ``cancelled`` one version up, one event."""
+            running = self.running_runs()
+            run_id = running[pick % len(running)]
+            before = self.current()
+            rb = before.runs[run_id]
+            attempt_b = rb.attempts[-1]
+            lease_b = _locked_lease(rb, attempt_b)
+            was = self.admission.cancel(run_id, "operator cancelled")
+            after = self.view()
+            ra = after.runs[run_id]
+            assert was is rb.run.status is RunStatus.RUNNING
+            assert ra.run.status is RunStatus.CANCELLED and ra.run.error == "operator cancelled"
+            attempt_a = _attempt(ra, attempt_b.id)
+            assert attempt_a.status is AttemptStatus.CANCELLED
+            if lease_b is not None and lease_b.status is LeaseStatus.LEASED:
+                lease_a = _lease(ra, lease_b.generation)
+                assert lease_a is not None
+                assert (lease_a.status, lease_a.release_reason, lease_a.version) == (
+                    LeaseStatus.RELEASED,
+                    ReleaseReason.CANCELLED,
+                    lease_b.version + 1,
+                )
+                assert attempt_a.lease_version == lease_a.version
+            data = _one_event(rb, ra, EventType.RUN_CANCELLED, attempt_b.id)
+            assert data == {"reason": "operator cancelled", "previous_status": "running"}
+            self.check_untouched(before, after, {run_id})
+            _count("cancel:running")
+
+        @precondition(lambda self: self.told_candidates())
+        @rule(pick=st.integers(0, 63), report=st.sampled_from(["abandon", "release"]))
+        def told_cancelled(self, pick: int, report: str) -> None:
+            """The worker of a cancelled Attempt renews and completes as it would: both are
+            refused as ``cancelled``; its stop report (an abandon, or a hand-back when the task
+            never began) is taken as ``cancelled``. Nothing changes."""
+            candidates = self.told_candidates()
+            held = candidates[pick % len(candidates)]
+            before = self.current()
+            secret = self.secrets[held.session_id]
+            fence = held.fence
+            renewed = self.workers.renew_many(held.session_id, secret, [fence]).results
+            completion = Completion(fence=fence, succeeded=True, output={"ok": True})
+            completed = self.workers.complete_many(held.session_id, secret, [completion]).results
+            for (result,) in (renewed, completed):
+                assert (result.rejection, result.reason) == (
+                    Rejection.FENCE,
+                    FenceReason.CANCELLED.value,
+                ), result
+            if report == "abandon":
+                stop = [Abandonment(fence=fence, detail="its run was cancelled")]
+                (result,) = self.workers.abandon_many(held.session_id, secret, stop).results
+            else:
+                gone = [Release(fence=fence, cause="cancelled")]
+                (result,) = self.workers.release_many(held.session_id, secret, gone).results
+            assert result.outcome is BatchOutcome.CANCELLED, result
+            self.expect_unchanged(before)
+            _count(f"cancel:told:{report}")
+
+        def running_runs(self) -> list[str]:
+            if self.previous is None:
+                return []
+            return sorted(
+                run_id
+                for run_id, rv in self.previous.runs.items()
+                if rv.run.status is RunStatus.RUNNING
+            )
+
+        def told_candidates(self) -> list[Held]:
+            """The current grants of Attempts cancelled under a lease, whose session is open."""
+            if self.previous is None:
+                return []
+            found = []
+            for attempt_id, grants in sorted(self.fences.items()):
+                held = grants[-1]
+                rv = self.previous.runs[self.run_of(attempt_id)]
+                lease = _lease(rv, held.fence.generation)
+                session = self.previous.sessions.get(held.session_id)
+                if (
+                    lease is not None
+                    and _cancelled(lease)
+                    and session is not None
+                    and session.status in OPEN
+                ):
+                    found.append(held)
+            return found
 
         # --- invariants ---------------------------------------------------------------------
 
@@ -1595,6 +1706,12 @@ def make_machine(
                         assert attempt.id in self.ever_claimed[run_id], "started unclaimed"
                 claimed = self.ever_claimed[run_id]
                 assert claimed <= {a.id for a in attempts}
+                # a cancelled run never runs again: no Attempt claimed, none open, none leased
+                if run.status is RunStatus.CANCELLED:
+                    frozen_claims = self.cancelled_at.setdefault(run_id, frozenset(claimed))
+                    assert claimed == frozen_claims, "a cancelled run was claimed again"
+                    assert not live and not leased
+                    assert rv.events[-1][1] == EventType.RUN_CANCELLED.value
                 if not retry_safe(run.policy):
                     assert len(claimed) <= 1
                     assert len(attempts) == 1 or (not attempts and _admitted_delayed(rv))
