@@ -494,7 +494,9 @@ class WorkerCommands:
             [s for s in lock.candidates if s.attempt is not None],
             task_of=lambda s: s.run.task,
             queued_at_of=lambda s: s.attempt.created_at_ms if s.attempt else 0,
+            priority_of=lambda s: s.run.priority,
             in_flight=lock.in_flight_by_task,
+            limits=lock.limits,
             count=room,
             observed_at_ms=now_ms,
         )

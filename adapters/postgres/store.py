@@ -436,8 +436,9 @@ class PostgresRunRepository(SqlRunRepository[PostgresUnitOfWork]):
     def lock_for_claim(
         self, session_id: str, tasks: Sequence[str], limit_per_task: int
     ) -> ClaimLock:
-        """The session's row lock, then (in the same round trip, with a snapshot taken once
-        that lock is held) the count of its leases, the gate and the candidates, locked; see
+        """The session's row lock and the limits of its limited tasks, then (in the same round
+        trip, with a snapshot taken once those locks are held) the count of its leases, the
+        gate, the candidates, locked, and the limits; see :func:`hot.lock_session_sql` and
         :func:`hot.claim_sql`."""
         uow = self._uow
         uow.forget()
@@ -471,6 +472,7 @@ class PostgresRunRepository(SqlRunRepository[PostgresUnitOfWork]):
             )
         by_task = head["in_flight_by_task"] or {}
         in_flight = {str(task): int(count) for task, count in by_task.items()}
+        limits = {str(task): int(limit) for task, limit in (head["task_limits"] or {}).items()}
         uow.remember_clock(now_ms)
         return ClaimLock(
             capacity=capacity,
@@ -478,6 +480,7 @@ class PostgresRunRepository(SqlRunRepository[PostgresUnitOfWork]):
             candidates=tuple(candidates),
             in_flight_by_task=in_flight,
             observed_at_ms=now_ms,
+            limits=limits,
         )
 
     def renew_lease(self, before: DispatchLease, after: DispatchLease) -> None:
