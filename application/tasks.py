@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from application.admission import AdmissionRequest
+from domain.dispatch import task_limit
 from domain.errors import InvalidAdmission
 from domain.model import JsonValue
 from domain.policy import Backoff, RetryPolicy, Safety
@@ -36,6 +37,9 @@ class TaskDefinition:
     name: str
     fn: Callable[..., Any]
     policy: RetryPolicy | None
+    # The most Attempts of the task running at once, cluster-wide (ADR 0014); None: no limit
+    # declared.
+    limit: int | None = None
 
 
 def json_input(value: object) -> JsonValue:
@@ -102,9 +106,12 @@ class TaskRegistry(Mapping[str, Callable[..., Any]]):
         max_attempts: int = 1,
         backoff: Backoff | None = None,
         policy: RetryPolicy | None = None,
+        limit: int | None = None,
     ) -> Any:
         """Declare a task (its name defaults to the function's). Give the template either as
-        ``policy=`` or as its parts; a task declared with neither is admitted without a policy."""
+        ``policy=`` or as its parts; a task declared with neither is admitted without a policy.
+        ``limit``: the most Attempts of the task running at once across the cluster, recorded
+        when the runtime starts (ADR 0014)."""
         if policy is not None and (
             safety is not None or retry_on_lost or max_attempts != 1 or backoff is not None
         ):
@@ -114,13 +121,18 @@ class TaskRegistry(Mapping[str, Callable[..., Any]]):
         )
 
         def declare(function: F) -> F:
-            self.add(function, name=name, policy=template)
+            self.add(function, name=name, policy=template, limit=limit)
             return function
 
         return declare(fn) if fn is not None else declare
 
     def add(
-        self, fn: Callable[..., Any], *, name: str | None = None, policy: RetryPolicy | None = None
+        self,
+        fn: Callable[..., Any],
+        *,
+        name: str | None = None,
+        policy: RetryPolicy | None = None,
+        limit: int | None = None,
     ) -> TaskDefinition:
         """Declare ``fn`` without the decorator."""
         if not callable(fn):
@@ -130,7 +142,9 @@ class TaskRegistry(Mapping[str, Callable[..., Any]]):
             raise InvalidAdmission(f"a task needs a name without padding, got {task_name!r}")
         if task_name in self._definitions:
             raise InvalidAdmission(f"task {task_name!r} is declared twice")
-        definition = TaskDefinition(name=task_name, fn=fn, policy=policy)
+        if limit is not None:
+            task_limit(task_name, limit, now_ms=0)  # refused here, at import, when out of bounds
+        definition = TaskDefinition(name=task_name, fn=fn, policy=policy, limit=limit)
         self._definitions[task_name] = definition
         self._names.setdefault(id(fn), task_name)
         return definition
@@ -165,6 +179,14 @@ class TaskRegistry(Mapping[str, Callable[..., Any]]):
             input=json_input(input),
             policy=policy if policy is not None else definition.policy,
         )
+
+    def limits(self) -> dict[str, int]:
+        """The limits declared with the tasks, by task name."""
+        return {
+            name: definition.limit
+            for name, definition in self._definitions.items()
+            if definition.limit is not None
+        }
 
     def _known(self) -> str:
         return ", ".join(sorted(self._definitions)) or "none"

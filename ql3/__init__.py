@@ -11,8 +11,9 @@ from typing import Any
 from adapters.execution import TaskContext
 from application.admission import UnknownRun
 from application.tasks import InvalidInput, TaskDefinition, TaskRegistry, UnknownTask
+from domain.dispatch import InvalidTaskLimit, TaskLimit
 from domain.errors import DomainError, InvalidAdmission, InvalidRetryPolicy, InvalidTransition
-from domain.model import RunStatus
+from domain.model import MAX_PRIORITY, MIN_PRIORITY, RunStatus
 from domain.policy import Backoff, RetryPolicy, Safety
 from ql3.profiles import ClusterRuntime, StandaloneRuntime
 from ql3.runtime import (
@@ -24,12 +25,15 @@ from ql3.runtime import (
 )
 
 __all__ = [
+    "MAX_PRIORITY",
+    "MIN_PRIORITY",
     "Backoff",
     "ClusterRuntime",
     "DomainError",
     "InvalidAdmission",
     "InvalidInput",
     "InvalidRetryPolicy",
+    "InvalidTaskLimit",
     "InvalidTransition",
     "RetryPolicy",
     "RunInfo",
@@ -40,6 +44,7 @@ __all__ = [
     "Submission",
     "TaskContext",
     "TaskDefinition",
+    "TaskLimit",
     "TaskRegistry",
     "UnknownRun",
     "UnknownTask",

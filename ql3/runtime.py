@@ -11,13 +11,15 @@ import asyncio
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import TracebackType
 from typing import Any
 
 from application.admission import Admission, AdmissionRequest, UnknownRun
+from application.task_limits import TaskLimits
 from application.tasks import TaskRegistry, json_input
 from bootstrap.producer import Producer
+from domain.dispatch import TaskLimit
 from domain.errors import InvalidAdmission
 from domain.model import JsonValue, Run, RunStatus
 from domain.policy import RetryPolicy
@@ -47,6 +49,7 @@ class Submission:
     task: Task
     input: object = None
     policy: RetryPolicy | None = None
+    priority: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,13 +118,16 @@ class Runtime:
 
     def request(self, submission: Submission) -> AdmissionRequest:
         """The admission request of one submission: the task checked against the registry (when
-        the runtime has one), the input checked as JSON, the policy snapshot chosen."""
+        the runtime has one), the input checked as JSON, the policy snapshot chosen, the
+        priority (higher is claimed first, ADR 0014)."""
         task, payload, policy = submission.task, submission.input, submission.policy
         if self._tasks is not None:
-            return self._tasks.request(task, payload, policy=policy)
-        if not isinstance(task, str):
+            request = self._tasks.request(task, payload, policy=policy)
+        elif not isinstance(task, str):
             raise InvalidAdmission("without a task registry, a task is given by its name")
-        return AdmissionRequest(task=task, input=json_input(payload), policy=policy)
+        else:
+            request = AdmissionRequest(task=task, input=json_input(payload), policy=policy)
+        return replace(request, priority=submission.priority)
 
     def submit(
         self,
@@ -129,12 +135,16 @@ class Runtime:
         input: object = None,
         *,
         policy: RetryPolicy | None = None,
+        priority: int = 0,
         transaction: object | None = None,
     ) -> str:
-        """Admit one run and return its id. With ``transaction`` (a SQLAlchemy ``Connection`` or
+        """Admit one run and return its id. A run of higher ``priority`` is claimed before the
+        other queued runs of its task (within :data:`domain.model.MIN_PRIORITY` ..
+        :data:`domain.model.MAX_PRIORITY`). With ``transaction`` (a SQLAlchemy ``Connection`` or
         ``Session``, or a psycopg connection) it is written in that transaction and commits or
         rolls back with it; workers are woken only when it commits."""
-        return self.submit_many([Submission(task, input, policy)], transaction=transaction)[0]
+        submission = Submission(task, input, policy, priority)
+        return self.submit_many([submission], transaction=transaction)[0]
 
     def submit_many(
         self,
@@ -154,9 +164,12 @@ class Runtime:
         input: object = None,
         *,
         policy: RetryPolicy | None = None,
+        priority: int = 0,
     ) -> str:
         """:meth:`submit` for asyncio code (the store's call runs in a worker thread)."""
-        return await asyncio.to_thread(self.submit, task, input, policy=policy)
+        return await asyncio.to_thread(
+            self.submit, task, input, policy=policy, priority=priority
+        )
 
     async def asubmit_many(
         self, submissions: Iterable[Submission | tuple[Task, object]]
@@ -216,15 +229,37 @@ class Runtime:
     async def acancel(self, run_id: str, reason: str = "cancelled") -> None:
         await asyncio.to_thread(self.cancel, run_id, reason)
 
+    # --- task limits ------------------------------------------------------------------------------
+
+    @property
+    def _limits(self) -> TaskLimits:
+        return TaskLimits(self._producer.store.unit_of_work)
+
+    def set_task_limit(self, task: str, max_running: int) -> TaskLimit:
+        """At most ``max_running`` Attempts of ``task`` run at once, across every node and
+        worker (0 stops its claims); replaces the limit it has (ADR 0014)."""
+        return self._limits.set(task, max_running)
+
+    def clear_task_limit(self, task: str) -> bool:
+        """Remove the task's limit; whether it had one."""
+        return self._limits.clear(task)
+
+    def task_limits(self) -> Sequence[TaskLimit]:
+        """Every task limit recorded, by task name."""
+        return self._limits.all()
+
     # --- lifecycle --------------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Start the profile's work in this process (idempotent; once per runtime)."""
+        """Start the profile's work in this process (idempotent; once per runtime). The limits
+        declared with the tasks (``@tasks.task(limit=N)``) are recorded first."""
         with self._lock:
             if self._closed or self._stopped:
                 raise RuntimeError("a stopped or closed runtime cannot start again: build one")
             if self._started:
                 return
+            if self._tasks is not None:
+                self._limits.declare(self._tasks.limits())
             self._start()
             self._started = True
 

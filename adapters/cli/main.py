@@ -13,11 +13,11 @@ from typing import Any, NoReturn
 import click
 
 from adapters.cli import db_cmds, standalone_cmds
-from application.admission import UnknownRun
+from application.admission import AdmissionRequest, UnknownRun
 from application.budgets import InvalidPageSize
 from application.lookups import UnknownAttempt
 from domain.errors import DomainError
-from domain.model import RunStatus
+from domain.model import MAX_PRIORITY, MIN_PRIORITY, RunStatus
 from domain.policy import Backoff, RetryPolicy, Safety
 
 
@@ -153,6 +153,13 @@ db.add_command(db_cmds.grant_ingress_command)
 @click.option("--retry-on-lost", is_flag=True)
 @click.option("--max-attempts", type=int, default=None)
 @click.option("--backoff-initial", type=float, default=None, help="Seconds.")
+@click.option(
+    "--priority",
+    type=click.IntRange(MIN_PRIORITY, MAX_PRIORITY),
+    default=0,
+    show_default=True,
+    help="Higher is claimed before the other queued runs of its task.",
+)
 @database_option
 @json_option
 def submit(
@@ -162,6 +169,7 @@ def submit(
     retry_on_lost: bool,
     max_attempts: int | None,
     backoff_initial: float | None,
+    priority: int,
     database_url: str | None,
     as_json: bool,
 ) -> None:
@@ -181,8 +189,9 @@ def submit(
             safety=Safety(safety) if safety else None,
             backoff=Backoff(initial_ms=initial_ms, cap_ms=max(initial_ms, 300_000)),
         )
+    request = AdmissionRequest(task=task, input=payload, policy=policy, priority=priority)
     with _producer(database_url) as producer:
-        run_id = producer.admission.submit(task, payload, policy)
+        (run_id,) = producer.admission.submit_many([request])
     _emit(as_json, {"run_id": run_id}, lambda: click.echo(run_id))
 
 
@@ -338,6 +347,10 @@ cli.add_command(credential_cmds.credentials)
 from adapters.cli import ops_cmds  # noqa: E402  (commands defined in their own module)
 
 ops_cmds.register(cli, runs)
+
+from adapters.cli import task_cmds  # noqa: E402  (commands defined in their own module)
+
+cli.add_command(task_cmds.tasks)
 
 
 def main(argv: list[str] | None = None) -> int:
