@@ -680,4 +680,5 @@ ALL_TABLES = (
     worker_credentials,
     worker_credential_events,
     scheduler_nodes,
+    task_limits,
 )
