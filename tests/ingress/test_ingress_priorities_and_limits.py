@@ -70,22 +70,22 @@ def test_a_claim_past_the_limit_is_refused_by_the_ingress_function(env: Env) -> 
     refused by ``ql3_ingress_claim_one``, which counts under the limit's lock."""
     _submit(env, "t")
     worker = register(env)
-    with pytest.raises(ConcurrencyConflict, match="its limit is 0"):
-        with env.ingress.unit_of_work() as uow:
-            session = uow.sessions.get(worker.session_id)
-            assert session is not None
-            lock = uow.runs.lock_for_claim(worker.session_id, ["t"], 4)
-            assert lock.limits == {}
-            (candidate,) = lock.candidates
-            TaskLimits(env.admin.unit_of_work).set("t", 0)  # no lock of the claim holds it
-            assert candidate.attempt is not None
-            change = claim(
-                run=candidate.run,
-                attempt=candidate.attempt,
-                previous_lease=candidate.lease,
-                session=session,
-                token_hash="0" * 64,
-                ttl_ms=30_000,
-                now_ms=lock.observed_at_ms,
-            )
-            uow.runs.apply_many([(candidate, change)])
+    refused = pytest.raises(ConcurrencyConflict, match="its limit is 0")
+    with refused, env.ingress.unit_of_work() as uow:
+        session = uow.sessions.get(worker.session_id)
+        assert session is not None
+        lock = uow.runs.lock_for_claim(worker.session_id, ["t"], 4)
+        assert lock.limits == {}
+        (candidate,) = lock.candidates
+        TaskLimits(env.admin.unit_of_work).set("t", 0)  # no lock of the claim holds it
+        assert candidate.attempt is not None
+        change = claim(
+            run=candidate.run,
+            attempt=candidate.attempt,
+            previous_lease=candidate.lease,
+            session=session,
+            token_hash="0" * 64,
+            ttl_ms=30_000,
+            now_ms=lock.observed_at_ms,
+        )
+        uow.runs.apply_many([(candidate, change)])
