@@ -77,6 +77,7 @@ from application.ports import (
     WorkerSessionRegistry,
     WorkflowRepository,
 )
+from domain.dispatch import TaskLimit
 from domain.errors import ConcurrencyConflict
 from domain.model import (
     AttemptStatus,
@@ -481,6 +482,23 @@ class PostgresRunRepository(SqlRunRepository[PostgresUnitOfWork]):
             in_flight_by_task=in_flight,
             observed_at_ms=now_ms,
             limits=limits,
+        )
+
+    def set_task_limit(self, limit: TaskLimit) -> None:
+        super().set_task_limit(limit)
+        self._wake_claims()
+
+    def clear_task_limit(self, task: str) -> bool:
+        cleared = super().clear_task_limit(task)
+        if cleared:
+            self._wake_claims()
+        return cleared
+
+    def _wake_claims(self) -> None:
+        """A changed limit may make queued Runs claimable: parked claims are woken when the
+        transaction commits, as by an admission."""
+        self._uow.execute_sql(
+            f"SELECT pg_notify('{DISPATCH_CHANNEL}', '') AS notified", {}, "wake claims"
         )
 
     def renew_lease(self, before: DispatchLease, after: DispatchLease) -> None:

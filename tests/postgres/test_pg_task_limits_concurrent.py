@@ -123,3 +123,24 @@ def test_concurrent_claims_of_several_replicas_never_exceed_the_limit(
             text("SELECT deadlocks FROM pg_stat_database WHERE datname = current_database()")
         ).scalar_one()
     assert deadlocks == 0
+
+
+def test_setting_or_clearing_a_limit_wakes_parked_claims(
+    replicas: list[PostgresStore], pg_database_url: str
+) -> None:
+    """A raised or cleared limit may make queued Runs claimable: its commit notifies the
+    dispatch channel, as an admission does."""
+    import psycopg
+
+    from adapters.postgres.queries import DISPATCH_CHANNEL
+
+    dsn = pg_database_url.replace("postgresql+psycopg://", "postgresql://", 1)
+    limits = TaskLimits(replicas[0].unit_of_work)
+    with psycopg.connect(dsn, autocommit=True) as listener:
+        listener.execute(f"LISTEN {DISPATCH_CHANNEL}")
+        for change in (lambda: limits.set("t", 1), lambda: limits.clear("t")):
+            change()
+            woken = list(listener.notifies(timeout=5, stop_after=1))
+            assert [n.channel for n in woken] == [DISPATCH_CHANNEL]
+        assert limits.clear("t") is False  # nothing changed: nothing sent
+        assert list(listener.notifies(timeout=0.5, stop_after=1)) == []

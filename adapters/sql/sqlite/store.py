@@ -91,6 +91,7 @@ from application.ports import (
     WorkerSessionRegistry,
     WorkflowRepository,
 )
+from domain.dispatch import TaskLimit
 from domain.errors import ConcurrencyConflict
 from domain.model import (
     Attempt,
@@ -217,6 +218,16 @@ class SqliteRunRepository(OneAtATime, SqlRunRepository[SqliteUnitOfWork]):
             # Any admission, queued or not: a workflow's aggregate is admitted ``created`` and
             # the executing process's frontier starts it.
             self._uow.note_admission()
+
+    def set_task_limit(self, limit: TaskLimit) -> None:
+        super().set_task_limit(limit)
+        self._uow.note_admission()  # a raised limit may make queued Runs claimable
+
+    def clear_task_limit(self, task: str) -> bool:
+        cleared = super().clear_task_limit(task)
+        if cleared:
+            self._uow.note_admission()
+        return cleared
 
     def lock_for_claim(
         self, session_id: str, tasks: Sequence[str], limit_per_task: int
