@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import json
 from datetime import UTC, datetime
 
 import click
@@ -26,8 +27,6 @@ def limit_document(limit: TaskLimit) -> dict[str, JsonValue]:
 
 
 def _emit(as_json: bool, document: object, lines: list[str]) -> None:
-    import json
-
     if as_json:
         click.echo(json.dumps(document, sort_keys=True))
     else:
