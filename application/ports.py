@@ -9,11 +9,12 @@ matches no row raises :class:`domain.errors.ConcurrencyConflict`, never succeeds
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Generic, Protocol, TypeVar
 
 from domain.credentials import CredentialEvent, WorkerCredential
+from domain.dispatch import TaskLimit
 from domain.events import RunEvent
 from domain.model import (
     Attempt,
@@ -142,14 +143,18 @@ class ClaimLock:
     """What one claim decides from, read in one step of its transaction: the claiming session
     locked with the number of ``leased`` leases it holds, the dispatch gate, and the pristine
     Attempts of ``queued`` Runs of its tasks, locked as :meth:`RunRepository.lock_attempt`
-    locks them (rows another transaction holds are skipped), oldest first within each task,
-    with how many Attempts of each of those tasks are in flight (fair share)."""
+    locks them (rows another transaction holds are skipped), highest priority first, then
+    oldest first within each task, with how many Attempts of each of those tasks are in flight
+    (fair share), and the limit of each limited task named (ADR 0014: read under a lock the
+    claims of every replica take, so that what is in flight of that task cannot grow until
+    this transaction ends)."""
 
     capacity: SessionCapacity | None
     gate: DispatchGate
     candidates: tuple[Snapshot, ...]
     in_flight_by_task: Mapping[str, int]
     observed_at_ms: int
+    limits: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,7 +203,18 @@ class RunRepository(Protocol):
         """Lock the session row (two claims of one session count its capacity one after the
         other), read the dispatch gate and, while it is open, lock up to ``limit_per_task``
         claimable Attempts of each task named, skipping those another transaction holds. With
-        the gate closed no Attempt is locked."""
+        the gate closed no Attempt is locked. The limits of the limited tasks named are locked
+        too, after the session and in task order, before their Attempts in flight are counted:
+        claims of a limited task are counted one after the other across every replica."""
+
+    def task_limits(self) -> Sequence[TaskLimit]:
+        """Every task limit recorded, by task name."""
+
+    def set_task_limit(self, limit: TaskLimit) -> None:
+        """Record ``limit``, replacing the task's limit if it has one."""
+
+    def clear_task_limit(self, task: str) -> bool:
+        """Remove the task's limit; whether it had one."""
 
     def renew_lease(self, before: DispatchLease, after: DispatchLease) -> None:
         """Move only ``expires_at``; compare-and-set on generation, version, status, token hash

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from application.admission import AdmissionRequest
+from domain.dispatch import task_limit
 from domain.errors import InvalidAdmission
 from domain.model import MAX_TIMEOUT_MS, JsonValue
 from domain.policy import Backoff, RetryPolicy, Safety
@@ -39,6 +40,9 @@ class TaskDefinition:
     fn: Callable[..., Any]
     policy: RetryPolicy | None
     timeout_ms: int | None = None
+    # The most Attempts of the task running at once, cluster-wide (ADR 0014); None: no limit
+    # declared.
+    limit: int | None = None
 
 
 def json_input(value: object) -> JsonValue:
@@ -131,12 +135,14 @@ class TaskRegistry(Mapping[str, Callable[..., Any]]):
         backoff: Backoff | None = None,
         policy: RetryPolicy | None = None,
         timeout: float | None = None,
+        limit: int | None = None,
     ) -> Any:
         """Declare a task (its name defaults to the function's). Give the template either as
         ``policy=`` or as its parts; a task declared with neither is admitted without a policy.
         ``retry_on_error`` retries an attempt whose task raised or timed out (only for
         ``idempotent`` or ``deduplicated`` tasks); ``timeout`` is the seconds an attempt may
-        run before its worker stops it as a failure."""
+        run before its worker stops it as a failure. ``limit``: the most Attempts of the task
+        running at once across the cluster, recorded when the runtime starts (ADR 0014)."""
         if policy is not None and (
             safety is not None
             or retry_on_lost
@@ -155,7 +161,7 @@ class TaskRegistry(Mapping[str, Callable[..., Any]]):
         timeout_ms = timeout_millis(timeout)
 
         def declare(function: F) -> F:
-            self.add(function, name=name, policy=template, timeout_ms=timeout_ms)
+            self.add(function, name=name, policy=template, timeout_ms=timeout_ms, limit=limit)
             return function
 
         return declare(fn) if fn is not None else declare
@@ -167,6 +173,7 @@ class TaskRegistry(Mapping[str, Callable[..., Any]]):
         name: str | None = None,
         policy: RetryPolicy | None = None,
         timeout_ms: int | None = None,
+        limit: int | None = None,
     ) -> TaskDefinition:
         """Declare ``fn`` without the decorator."""
         if not callable(fn):
@@ -176,7 +183,11 @@ class TaskRegistry(Mapping[str, Callable[..., Any]]):
             raise InvalidAdmission(f"a task needs a name without padding, got {task_name!r}")
         if task_name in self._definitions:
             raise InvalidAdmission(f"task {task_name!r} is declared twice")
-        definition = TaskDefinition(name=task_name, fn=fn, policy=policy, timeout_ms=timeout_ms)
+        if limit is not None:
+            task_limit(task_name, limit, now_ms=0)  # refused here, at import, when out of bounds
+        definition = TaskDefinition(
+            name=task_name, fn=fn, policy=policy, timeout_ms=timeout_ms, limit=limit
+        )
         self._definitions[task_name] = definition
         self._names.setdefault(id(fn), task_name)
         return definition
@@ -213,6 +224,14 @@ class TaskRegistry(Mapping[str, Callable[..., Any]]):
             policy=policy if policy is not None else definition.policy,
             timeout_ms=timeout_ms if timeout_ms is not None else definition.timeout_ms,
         )
+
+    def limits(self) -> dict[str, int]:
+        """The limits declared with the tasks, by task name."""
+        return {
+            name: definition.limit
+            for name, definition in self._definitions.items()
+            if definition.limit is not None
+        }
 
     def _known(self) -> str:
         return ", ".join(sorted(self._definitions)) or "none"

@@ -106,6 +106,22 @@ class Grant:
         )
 
 
+def _released_by_task(writes: Sequence[tuple[Snapshot, Change]]) -> dict[str, int]:
+    """Per task, the ``leased`` leases that ``writes`` release."""
+    released: dict[str, int] = {}
+    for before, change in writes:
+        was, now = before.lease, change.lease
+        if (
+            was is not None
+            and was.status is LeaseStatus.LEASED
+            and now is not None
+            and (now.run_id, now.generation) == (was.run_id, was.generation)
+            and now.status is not LeaseStatus.LEASED
+        ):
+            released[before.run.task] = released.get(before.run.task, 0) + 1
+    return released
+
+
 class NoGrant(enum.Enum):
     """Why a claim that asked for work was granted none."""
 
@@ -504,11 +520,18 @@ class WorkerCommands:
         room = min(limit, capacity.session.capacity - capacity.in_flight + freed)
         if room <= 0:
             return _Granted(now_ms=now_ms, no_grant=NoGrant.NO_CAPACITY)
+        # The leases this call's completions and hand-backs release are still counted in
+        # flight by the lock: they are written with the grants.
+        in_flight = dict(lock.in_flight_by_task)
+        for task, count in _released_by_task(writes).items():
+            in_flight[task] = max(0, in_flight.get(task, 0) - count)
         chosen = fair_pick(
             [s for s in lock.candidates if s.attempt is not None],
             task_of=lambda s: s.run.task,
             queued_at_of=lambda s: s.attempt.created_at_ms if s.attempt else 0,
-            in_flight=lock.in_flight_by_task,
+            priority_of=lambda s: s.run.priority,
+            in_flight=in_flight,
+            limits=lock.limits,
             count=room,
             observed_at_ms=now_ms,
         )

@@ -13,8 +13,9 @@ from adapters.execution import TaskContext
 from application.admission import UnknownRun
 from application.history import InvalidBatchSize, InvalidDuration, PruneReport
 from application.tasks import InvalidInput, TaskDefinition, TaskRegistry, UnknownTask
+from domain.dispatch import InvalidTaskLimit, TaskLimit
 from domain.errors import DomainError, InvalidAdmission, InvalidRetryPolicy, InvalidTransition
-from domain.model import RunStatus
+from domain.model import MAX_PRIORITY, MIN_PRIORITY, RunStatus
 from domain.policy import Backoff, RetryPolicy, Safety
 from ql3.profiles import ClusterRuntime, StandaloneRuntime
 from ql3.runtime import (
@@ -27,6 +28,8 @@ from ql3.runtime import (
 )
 
 __all__ = [
+    "MAX_PRIORITY",
+    "MIN_PRIORITY",
     "Backoff",
     "ClusterRuntime",
     "DomainError",
@@ -35,6 +38,7 @@ __all__ = [
     "InvalidDuration",
     "InvalidInput",
     "InvalidRetryPolicy",
+    "InvalidTaskLimit",
     "InvalidTransition",
     "PruneReport",
     "RetryPolicy",
@@ -47,6 +51,7 @@ __all__ = [
     "Submitted",
     "TaskContext",
     "TaskDefinition",
+    "TaskLimit",
     "TaskRegistry",
     "UnknownRun",
     "UnknownTask",

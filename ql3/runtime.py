@@ -31,8 +31,10 @@ from application.history import (
     PruneReport,
     parse_duration,
 )
+from application.task_limits import TaskLimits
 from application.tasks import TaskRegistry, json_input, timeout_millis
 from bootstrap.producer import Producer
+from domain.dispatch import TaskLimit
 from domain.errors import InvalidAdmission
 from domain.model import JsonValue, Run, RunStatus
 from domain.policy import RetryPolicy
@@ -69,6 +71,7 @@ class Submission:
     input: object = None
     policy: RetryPolicy | None = None
     timeout: float | None = None
+    priority: int = 0
     delay: float | dt.timedelta | None = None
     run_after: dt.datetime | None = None
     unique_key: str | None = None
@@ -153,7 +156,8 @@ class Runtime:
 
     def request(self, submission: Submission) -> AdmissionRequest:
         """The admission request of one submission: the task checked against the registry (when
-        the runtime has one), the input checked as JSON, the policy snapshot chosen."""
+        the runtime has one), the input checked as JSON, the policy snapshot chosen, the
+        priority (higher is claimed first, ADR 0014)."""
         task, payload, policy = submission.task, submission.input, submission.policy
         timeout_ms = timeout_millis(submission.timeout)
         if self._tasks is not None:
@@ -164,7 +168,7 @@ class Runtime:
             request = AdmissionRequest(
                 task=task, input=json_input(payload), policy=policy, timeout_ms=timeout_ms
             )
-        return _timed_and_keyed(request, submission)
+        return _timed_and_keyed(replace(request, priority=submission.priority), submission)
 
     def submit(
         self,
@@ -173,6 +177,7 @@ class Runtime:
         *,
         policy: RetryPolicy | None = None,
         timeout: float | None = None,
+        priority: int = 0,
         delay: float | dt.timedelta | None = None,
         run_after: dt.datetime | None = None,
         unique_key: str | None = None,
@@ -182,13 +187,16 @@ class Runtime:
         its worker stops it as a failure (else the task's). With ``transaction`` (a SQLAlchemy
         ``Connection`` or ``Session``, or a psycopg connection) it is written in that
         transaction and commits or rolls back with it; workers are woken only when it commits.
-        ``delay``, ``run_after`` and ``unique_key`` as for :class:`Submission`: with a key an
-        unfinished run holds, that run's id is returned (:meth:`submit_unique` also says so)."""
+        A run of higher ``priority`` is claimed before the other queued runs of its task (within
+        :data:`domain.model.MIN_PRIORITY` .. :data:`domain.model.MAX_PRIORITY`). ``delay``,
+        ``run_after`` and ``unique_key`` as for :class:`Submission`: with a key an unfinished
+        run holds, that run's id is returned (:meth:`submit_unique` also says so)."""
         submission = Submission(
             task,
             input,
             policy,
             timeout,
+            priority,
             delay=delay,
             run_after=run_after,
             unique_key=unique_key,
@@ -203,6 +211,7 @@ class Runtime:
         unique_key: str,
         policy: RetryPolicy | None = None,
         timeout: float | None = None,
+        priority: int = 0,
         delay: float | dt.timedelta | None = None,
         run_after: dt.datetime | None = None,
         transaction: object | None = None,
@@ -215,6 +224,7 @@ class Runtime:
             input,
             policy,
             timeout,
+            priority,
             delay=delay,
             run_after=run_after,
             unique_key=unique_key,
@@ -246,6 +256,7 @@ class Runtime:
         *,
         policy: RetryPolicy | None = None,
         timeout: float | None = None,
+        priority: int = 0,
         delay: float | dt.timedelta | None = None,
         run_after: dt.datetime | None = None,
         unique_key: str | None = None,
@@ -257,6 +268,7 @@ class Runtime:
             input,
             policy=policy,
             timeout=timeout,
+            priority=priority,
             delay=delay,
             run_after=run_after,
             unique_key=unique_key,
@@ -270,6 +282,7 @@ class Runtime:
         unique_key: str,
         policy: RetryPolicy | None = None,
         timeout: float | None = None,
+        priority: int = 0,
         delay: float | dt.timedelta | None = None,
         run_after: dt.datetime | None = None,
     ) -> Submitted:
@@ -281,6 +294,7 @@ class Runtime:
             unique_key=unique_key,
             policy=policy,
             timeout=timeout,
+            priority=priority,
             delay=delay,
             run_after=run_after,
         )
@@ -370,15 +384,37 @@ class Runtime:
         pruning = HistoryPruning(self._producer.store.unit_of_work, batch_size)
         return pruning.prune(older_than_ms, dry_run=dry_run)
 
+    # --- task limits ------------------------------------------------------------------------------
+
+    @property
+    def _limits(self) -> TaskLimits:
+        return TaskLimits(self._producer.store.unit_of_work)
+
+    def set_task_limit(self, task: str, max_running: int) -> TaskLimit:
+        """At most ``max_running`` Attempts of ``task`` run at once, across every node and
+        worker (0 stops its claims); replaces the limit it has (ADR 0014)."""
+        return self._limits.set(task, max_running)
+
+    def clear_task_limit(self, task: str) -> bool:
+        """Remove the task's limit; whether it had one."""
+        return self._limits.clear(task)
+
+    def task_limits(self) -> Sequence[TaskLimit]:
+        """Every task limit recorded, by task name."""
+        return self._limits.all()
+
     # --- lifecycle --------------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Start the profile's work in this process (idempotent; once per runtime)."""
+        """Start the profile's work in this process (idempotent; once per runtime). The limits
+        declared with the tasks (``@tasks.task(limit=N)``) are recorded first."""
         with self._lock:
             if self._closed or self._stopped:
                 raise RuntimeError("a stopped or closed runtime cannot start again: build one")
             if self._started:
                 return
+            if self._tasks is not None:
+                self._limits.declare(self._tasks.limits())
             self._start()
             self._started = True
 

@@ -15,7 +15,7 @@ from typing import Any, NoReturn
 import click
 
 from adapters.cli import db_cmds, standalone_cmds
-from application.admission import UnknownRun
+from application.admission import AdmissionRequest, UnknownRun
 from application.budgets import InvalidPageSize
 from application.history import (
     DEFAULT_BATCH_SIZE,
@@ -26,7 +26,7 @@ from application.history import (
 )
 from application.lookups import UnknownAttempt
 from domain.errors import ConcurrencyConflict, DomainError
-from domain.model import MAX_TIMEOUT_MS, RunStatus
+from domain.model import MAX_PRIORITY, MAX_TIMEOUT_MS, MIN_PRIORITY, RunStatus
 from domain.policy import Backoff, RetryPolicy, Safety
 
 
@@ -187,6 +187,13 @@ db.add_command(db_cmds.grant_ingress_command)
     default=None,
     help="While an unfinished run holds this key, answer with it and write nothing.",
 )
+@click.option(
+    "--priority",
+    type=click.IntRange(MIN_PRIORITY, MAX_PRIORITY),
+    default=0,
+    show_default=True,
+    help="Higher is claimed before the other queued runs of its task.",
+)
 @database_option
 @json_option
 def submit(
@@ -201,6 +208,7 @@ def submit(
     delay: float | None,
     run_after: str | None,
     unique_key: str | None,
+    priority: int,
     database_url: str | None,
     as_json: bool,
 ) -> None:
@@ -233,13 +241,12 @@ def submit(
         from domain.transitions import check_unique_key
 
         check_unique_key(unique_key)
-    from application.admission import AdmissionRequest
-
     request = AdmissionRequest(
         task=task,
         input=payload,
         policy=policy,
         timeout_ms=timeout_ms,
+        priority=priority,
         unique_key=unique_key,
         delay_ms=delay_ms,
         run_after_ms=run_after_ms,
@@ -518,6 +525,10 @@ cli.add_command(credential_cmds.credentials)
 from adapters.cli import ops_cmds  # noqa: E402  (commands defined in their own module)
 
 ops_cmds.register(cli, runs)
+
+from adapters.cli import task_cmds  # noqa: E402  (commands defined in their own module)
+
+cli.add_command(task_cmds.tasks)
 
 
 def main(argv: list[str] | None = None) -> int:

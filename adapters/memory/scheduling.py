@@ -187,7 +187,8 @@ def session_capacity(state: _State, session_id: str) -> SessionCapacity | None:
 
 
 def claimable(state: _State, tasks: Sequence[str], limit_per_task: int) -> list[Snapshot]:
-    """Pristine Attempts of ``queued`` Runs of the tasks, oldest first within each task."""
+    """Pristine Attempts of ``queued`` Runs of the tasks, highest priority first, then oldest
+    first within each task."""
     wanted = frozenset(tasks)
     by_task: dict[str, list[Snapshot]] = {}
     for run in state.runs.values():
@@ -199,7 +200,9 @@ def claimable(state: _State, tasks: Sequence[str], limit_per_task: int) -> list[
         by_task.setdefault(run.task, []).append(state.snapshot(run, attempt))
     found: list[Snapshot] = []
     for snapshots in by_task.values():
-        snapshots.sort(key=lambda s: (s.attempt.created_at_ms if s.attempt else 0, s.run.id))
+        snapshots.sort(
+            key=lambda s: (-s.run.priority, s.attempt.created_at_ms if s.attempt else 0, s.run.id)
+        )
         found.extend(snapshots[:limit_per_task])
     return found
 

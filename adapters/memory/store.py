@@ -53,6 +53,7 @@ from application.ports import (
     WorkflowRepository,
 )
 from domain.credentials import CredentialEvent, WorkerCredential
+from domain.dispatch import TaskLimit
 from domain.errors import ConcurrencyConflict
 from domain.model import (
     Attempt,
@@ -119,6 +120,7 @@ class _State:
     credential_events: tuple[CredentialEvent, ...] = ()
     # unique key -> the unfinished Run holding it (the partial unique index, ADR 0015)
     unique_keys: dict[str, str] = field(default_factory=dict)
+    task_limits: dict[str, TaskLimit] = field(default_factory=dict)
 
     def copy(self) -> _State:
         return replace(
@@ -136,6 +138,7 @@ class _State:
             firings=dict(self.firings),
             workflow_steps=dict(self.workflow_steps),
             credentials=dict(self.credentials),
+            task_limits=dict(self.task_limits),
         )
 
     # reads shared by the repositories and the sources
@@ -396,18 +399,38 @@ class MemoryRunRepository(OneAtATime):
         capacity = scheduling.session_capacity(state, session_id)
         candidates: list[Snapshot] = []
         in_flight: dict[str, int] = {}
+        limits: dict[str, int] = {}
         if state.gate.open and capacity is not None:
             candidates = scheduling.claimable(state, tasks, limit_per_task)
             in_flight = scheduling.in_flight_by_task(
                 state, sorted({s.run.task for s in candidates})
             )
+            limits = {
+                task: state.task_limits[task].max_running
+                for task in sorted(set(tasks))
+                if task in state.task_limits
+            }
         return ClaimLock(
             capacity=capacity,
             gate=state.gate,
             candidates=tuple(candidates),
             in_flight_by_task=in_flight,
             observed_at_ms=now_ms,
+            limits=limits,
         )
+
+    def task_limits(self) -> Sequence[TaskLimit]:
+        found = self._uow.read().task_limits
+        return tuple(found[task] for task in sorted(found))
+
+    def set_task_limit(self, limit: TaskLimit) -> None:
+        self._uow.write().task_limits[limit.task] = limit
+
+    def clear_task_limit(self, task: str) -> bool:
+        if task not in self._uow.read().task_limits:
+            return False
+        del self._uow.write().task_limits[task]
+        return True
 
     def lock_run(self, run_id: str) -> Snapshot | None:
         state = self._uow.read()

@@ -232,22 +232,40 @@ def get_session_sql() -> str:
 # for the session's lock would miss the leases the previous holder of that lock committed, and
 # two claims of one session could together exceed its capacity. The count therefore runs in the
 # next statement, sent in the same round trip (a pipeline), whose snapshot is taken once the lock
-# is held.
+# is held. The limits of limited tasks (ADR 0014) are locked by the first statement for the same
+# reason: the next one counts their Attempts in flight with every claim of them committed that
+# held their lock before.
 
 
 @cache
 def lock_session_sql() -> str:
     """The claiming session's row, locked: claims of one session count its capacity one after the
-    other."""
-    return "SELECT 1 AS locked FROM worker_sessions WHERE id = %(session_id)s FOR UPDATE"
+    other; then, once it is held, the ``task_limits`` rows of the tasks named that have one, in
+    task order: claims of a limited task, from any session of any replica, count what is in
+    flight of it one after the other. A task without a limit costs one probe of the key's index
+    in the same statement."""
+    return """
+WITH s AS MATERIALIZED (
+    SELECT 1 AS locked FROM worker_sessions WHERE id = %(session_id)s FOR UPDATE
+)
+SELECT s.locked,
+       (SELECT count(*) FROM (
+            SELECT 1 FROM task_limits tl
+            WHERE tl.task = ANY(%(tasks)s::text[]) AND EXISTS (SELECT 1 FROM s)
+            ORDER BY tl.task
+            FOR UPDATE
+        ) k) AS limits_locked
+FROM s"""
 
 
 def _claimable_part(handed_back: bool) -> str:
     """One of the two parts of a claim's candidates (as :func:`adapters.sql.statements.
     claimable`), per task named, locked: Attempts never changed since created, from
     ``ix_runs_claimable`` by their Runs' ``updated_at``; or Attempts handed back, from
-    ``ix_run_attempts_handed_back`` by their own ``created_at``. Both in the order of the
-    Attempts' age."""
+    ``ix_run_attempts_handed_back`` by their own ``created_at``. Both the Run's highest
+    priority first, then in the order of the Attempts' age: the first part in the order of its
+    index, which it reads only as far as its limit however deep the queue and however its
+    priorities mix; the second sorts the handed-back Attempts, which are few at any time."""
     if handed_back:
         source = (
             "run_attempts a JOIN runs r ON r.id = a.run_id AND r.attempt_count = a.number"
@@ -256,11 +274,11 @@ def _claimable_part(handed_back: bool) -> str:
             f"a.status = {_literal(AttemptStatus.CLAIMED)} AND a.session_id IS NULL"
             " AND a.updated_at > a.created_at"
         )
-        order = "a.created_at, a.run_id"
+        order = "r.priority DESC, a.created_at, a.run_id"
     else:
         source = "runs r JOIN run_attempts a ON a.run_id = r.id AND a.number = r.attempt_count"
         part = "a.updated_at <= a.created_at"
-        order = "r.updated_at, r.id"
+        order = "r.priority DESC, r.updated_at, r.id"
     return f"""
     SELECT t.n AS task_n, ra.*
     FROM unnest(%(tasks)s::text[]) WITH ORDINALITY AS t(task, n)
@@ -285,11 +303,13 @@ def claim_sql() -> str:
     with the number of ``leased`` leases it holds, the dispatch gate, the store's clock and, while
     the gate is open and the session exists, up to ``limit_per_task`` claimable Attempts of each
     task with their Runs, locked (``FOR UPDATE SKIP LOCKED``: rows another transaction holds are
-    passed over), each with its Run's latest lease, and the ``leased`` leases per task of those
-    candidates. One row per candidate, or one row with NULL candidate columns when there is none.
+    passed over), each with its Run's latest lease, the ``leased`` leases per task of those
+    candidates and the limits of the tasks named (locked by :func:`lock_session_sql`). One row
+    per candidate, or one row with NULL candidate columns when there is none.
 
     Each task's candidates are its queued Runs' latest Attempts (numbered ``attempt_count``),
-    oldest Attempt first: the oldest of the two parts of :func:`_claimable_part` merged, each
+    highest priority first, then oldest Attempt first: the first of the two parts of
+    :func:`_claimable_part` merged, each
     part read from its index and stopping at the limit, however deep the queue. Each part locks
     up to the limit, so a few more rows than are returned may stay locked until the transaction
     ends (other claims pass over them). The latest Attempt of a queued Run is pristine (every
@@ -327,7 +347,9 @@ c AS MATERIALIZED (
     SELECT ranked.*
     FROM (
         SELECT u.*, row_number() OVER (
-                   PARTITION BY u.task_n ORDER BY u.{ATTEMPT_PREFIX}created_at, u.{RUN_PREFIX}id
+                   PARTITION BY u.task_n
+                   ORDER BY u.{RUN_PREFIX}priority DESC, u.{ATTEMPT_PREFIX}created_at,
+                            u.{RUN_PREFIX}id
                ) AS task_rank
         FROM (SELECT * FROM fresh UNION ALL SELECT * FROM handed_back) u
     ) ranked
@@ -342,9 +364,15 @@ f AS MATERIALIZED (
           AND fr.task IN (SELECT c.{RUN_PREFIX}task FROM c)
         GROUP BY fr.task
     ) x
+),
+k AS MATERIALIZED (
+    SELECT json_object_agg(tl.task, tl.max_running) AS task_limits
+    FROM task_limits tl
+    WHERE tl.task = ANY(%(tasks)s::text[])
 )
-SELECT {store_now_sql()} AS observed_at, s.*, g.*, f.in_flight_by_task, c.*, lz.*
+SELECT {store_now_sql()} AS observed_at, s.*, g.*, f.in_flight_by_task, k.task_limits, c.*, lz.*
 FROM f
+CROSS JOIN k
 LEFT JOIN s ON true
 LEFT JOIN g ON true
 LEFT JOIN c ON true

@@ -103,6 +103,7 @@ from application.ports import (
     StoredEvent,
     WorkerSessionRegistry,
 )
+from domain.dispatch import TaskLimit
 from domain.errors import ConcurrencyConflict, InvalidAdmission
 from domain.events import EventType, RunEvent
 from domain.model import (
@@ -558,10 +559,23 @@ class IngressRunRepository(SqlRunReads[PostgresIngressUnitOfWork]):
                 str(task): int(count) for task, count in answer["in_flight_by_task"].items()
             },
             observed_at_ms=int(answer["observed_at"]),
+            limits={
+                str(task): int(limit)
+                for task, limit in (answer.get("task_limits") or {}).items()
+            },
         )
 
     def lock_run(self, run_id: str) -> Snapshot | None:
         _not_permitted("lock runs (recovery and lost retry run on the runtime's own store)")
+
+    def task_limits(self) -> Sequence[TaskLimit]:
+        _not_permitted("read task limits (a claim's locks read those it needs)")
+
+    def set_task_limit(self, limit: TaskLimit) -> None:
+        _not_permitted("set task limits")
+
+    def clear_task_limit(self, task: str) -> bool:
+        _not_permitted("clear task limits")
 
     def apply(self, before: Snapshot, change: Change) -> None:
         self.apply_many([(before, change)])

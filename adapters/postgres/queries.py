@@ -25,6 +25,7 @@ from typing import Any
 from sqlalchemy import (
     ColumnElement,
     Double,
+    Insert,
     Integer,
     Interval,
     Select,
@@ -38,6 +39,7 @@ from sqlalchemy import (
     true,
     type_coerce,
 )
+from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.sql.elements import BindParameter
 
 from adapters.sql import statements
@@ -48,8 +50,10 @@ from adapters.sql.schema import (
     run_attempts,
     run_dispatch_leases,
     runs,
+    task_limits,
 )
 from adapters.sql.statements import Spelling, attempt_columns, lease_columns, run_columns
+from domain.dispatch import TaskLimit
 from domain.model import DispatchLease, RunOwner, RunStatus
 
 # The first key of every two-key advisory lock the store takes: "QL3" in ASCII, an int4.
@@ -262,4 +266,14 @@ def truncate_all() -> str:
     return (
         f"TRUNCATE TABLE {names} RESTART IDENTITY CASCADE;"
         f" INSERT INTO {dispatch_gate.name} (id, open) VALUES (1, true)"
+    )
+
+
+def upsert_task_limit(limit: TaskLimit) -> Insert:
+    """Record a task's limit, replacing the one it has (ADR 0014)."""
+    values = statements.task_limit_values(limit)
+    statement = pg_insert(task_limits).values(**values)
+    return statement.on_conflict_do_update(
+        index_elements=[task_limits.c.task],
+        set_={"max_running": values["max_running"], "updated_at": values["updated_at"]},
     )

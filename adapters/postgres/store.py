@@ -79,6 +79,7 @@ from application.ports import (
     WorkerSessionRegistry,
     WorkflowRepository,
 )
+from domain.dispatch import TaskLimit
 from domain.errors import ConcurrencyConflict
 from domain.model import (
     AttemptStatus,
@@ -441,8 +442,9 @@ class PostgresRunRepository(SqlRunRepository[PostgresUnitOfWork]):
     def lock_for_claim(
         self, session_id: str, tasks: Sequence[str], limit_per_task: int
     ) -> ClaimLock:
-        """The session's row lock, then (in the same round trip, with a snapshot taken once
-        that lock is held) the count of its leases, the gate and the candidates, locked; see
+        """The session's row lock and the limits of its limited tasks, then (in the same round
+        trip, with a snapshot taken once those locks are held) the count of its leases, the
+        gate, the candidates, locked, and the limits; see :func:`hot.lock_session_sql` and
         :func:`hot.claim_sql`."""
         uow = self._uow
         uow.forget()
@@ -476,6 +478,7 @@ class PostgresRunRepository(SqlRunRepository[PostgresUnitOfWork]):
             )
         by_task = head["in_flight_by_task"] or {}
         in_flight = {str(task): int(count) for task, count in by_task.items()}
+        limits = {str(task): int(limit) for task, limit in (head["task_limits"] or {}).items()}
         uow.remember_clock(now_ms)
         return ClaimLock(
             capacity=capacity,
@@ -483,6 +486,24 @@ class PostgresRunRepository(SqlRunRepository[PostgresUnitOfWork]):
             candidates=tuple(candidates),
             in_flight_by_task=in_flight,
             observed_at_ms=now_ms,
+            limits=limits,
+        )
+
+    def set_task_limit(self, limit: TaskLimit) -> None:
+        super().set_task_limit(limit)
+        self._wake_claims()
+
+    def clear_task_limit(self, task: str) -> bool:
+        cleared = super().clear_task_limit(task)
+        if cleared:
+            self._wake_claims()
+        return cleared
+
+    def _wake_claims(self) -> None:
+        """A changed limit may make queued Runs claimable: parked claims are woken when the
+        transaction commits, as by an admission."""
+        self._uow.execute_sql(
+            f"SELECT pg_notify('{DISPATCH_CHANNEL}', '') AS notified", {}, "wake claims"
         )
 
     def renew_lease(self, before: DispatchLease, after: DispatchLease) -> None:

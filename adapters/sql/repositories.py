@@ -13,11 +13,12 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Generic, Protocol, TypeVar
 
-from sqlalchemy import Select
+from sqlalchemy import Insert, Select
 
 from adapters.sql import rows, statements
 from adapters.sql.transaction import SqlReader, SqlTransaction
 from application.ports import HARD_PAGE_CAP, DispatchGate, StoredEvent
+from domain.dispatch import TaskLimit
 from domain.model import Attempt, DispatchLease, Run, RunStatus, StopReport, WorkerSession
 from domain.transitions import Change
 
@@ -41,6 +42,8 @@ class DialectQueries(Protocol):
     def open_sessions_of(self, worker_id: str) -> Select: ...
 
     def held_by(self, session_id: str) -> Select: ...
+
+    def upsert_task_limit(self, limit: TaskLimit) -> Insert: ...
 
 
 class SqlRunReads(Generic[R]):
@@ -105,6 +108,16 @@ class SqlRunRepository(SqlRunReads[W]):
                 self._insert(change)
 
         self._uow.atomically(insert_all)
+
+    def task_limits(self) -> Sequence[TaskLimit]:
+        result = self._uow.execute(statements.list_task_limits()).mappings()
+        return tuple(statements.task_limit_from_row(row) for row in result)
+
+    def set_task_limit(self, limit: TaskLimit) -> None:
+        self._uow.write(self.queries.upsert_task_limit(limit), f"limit of task {limit.task}")
+
+    def clear_task_limit(self, task: str) -> bool:
+        return self._uow.write(statements.delete_task_limit(task), f"limit of task {task}") > 0
 
     def _insert(self, change: Change) -> None:
         self._uow.write(statements.insert_run(change.run), f"run {change.run.id}")

@@ -296,16 +296,18 @@ Index(
     postgresql_where=text(QUARANTINED_RUN),
     sqlite_where=text(QUARANTINED_RUN),
 )
-# A claim's candidates are the pristine Attempts of queued Runs of a task, oldest Attempt first.
-# An Attempt never changed since it was created was created with its Run's move into ``queued``
-# (admission, a first or a next Attempt), so its age is that Run's ``updated_at``, which nothing
-# else changes while the Run is queued: this index lists them oldest first, and a claim reads the
-# few first of each of its tasks, however deep the queue. An Attempt handed back keeps its age
-# but its Run was updated since; ``ix_run_attempts_handed_back`` lists those.
+# A claim's candidates are the pristine Attempts of queued Runs of a task, the highest priority
+# first, then the oldest Attempt (ADR 0014). An Attempt never changed since it was created was
+# created with its Run's move into ``queued`` (admission, a first or a next Attempt), so its age
+# is that Run's ``updated_at``, which nothing else changes while the Run is queued: this index
+# lists them in claim order, and a claim reads the few first of each of its tasks, however deep
+# the queue and however its priorities mix. An Attempt handed back keeps its age but its Run was
+# updated since; ``ix_run_attempts_handed_back`` lists those.
 _CLAIMABLE_RUN = _one_of("status", _names(CLAIMABLE_RUN_STATUSES))
 Index(
     "ix_runs_claimable",
     runs.c.task,
+    runs.c.priority.desc(),
     runs.c.updated_at,
     runs.c.id,
     postgresql_where=text(_CLAIMABLE_RUN),
@@ -709,4 +711,5 @@ ALL_TABLES = (
     worker_credentials,
     worker_credential_events,
     scheduler_nodes,
+    task_limits,
 )

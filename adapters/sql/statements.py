@@ -18,11 +18,13 @@ from typing import Any
 from attrs import frozen
 from sqlalchemy import (
     ColumnElement,
+    Delete,
     Insert,
     Select,
     Text,
     Update,
     and_,
+    delete,
     exists,
     false,
     func,
@@ -45,9 +47,11 @@ from adapters.sql.schema import (
     run_dispatch_leases,
     run_events,
     runs,
+    task_limits,
     worker_sessions,
 )
 from application.ports import DispatchGate, StepFailure
+from domain.dispatch import TaskLimit
 from domain.events import RunEvent
 from domain.model import (
     Attempt,
@@ -438,16 +442,17 @@ def leases_held(session_id: str, spelling: Spelling) -> Select:
 def claimable(task: str, limit: int, spelling: Spelling, *, handed_back: bool) -> Select:
     """Up to ``limit`` claimable Runs of ``task`` with their pristine latest Attempt (the one
     numbered ``attempt_count``: every Attempt is created with the next number and counted in
-    the same change), Run and Attempt side by side, oldest Attempt first (its ``created_at``,
-    then the Run's id), in one of two parts that together are all of them:
+    the same change), Run and Attempt side by side, the Run's highest priority first, then the
+    oldest Attempt (its ``created_at``, then the Run's id), in one of two parts that together
+    are all of them:
 
     - ``handed_back=False``: Attempts never changed since they were created, read from
-      ``ix_runs_claimable`` (such an Attempt was created with its Run's move into ``queued``, so
-      the Run's ``updated_at`` is the Attempt's age);
-    - ``handed_back=True``: Attempts handed back since, read from
-      ``ix_run_attempts_handed_back``.
+      ``ix_runs_claimable`` in its order (such an Attempt was created with its Run's move into
+      ``queued``, so the Run's ``updated_at`` is the Attempt's age);
+    - ``handed_back=True``: Attempts handed back since, from ``ix_run_attempts_handed_back``
+      (few at any time: they are sorted).
 
-    The oldest ``limit`` of a task are the oldest ``limit`` of both parts merged."""
+    The first ``limit`` of a task are the first ``limit`` of both parts merged."""
     r = runs.c
     a = run_attempts.c
     statement = (
@@ -462,12 +467,12 @@ def claimable(task: str, limit: int, spelling: Spelling, *, handed_back: bool) -
     if handed_back:
         return (
             statement.where(a.updated_at > a.created_at)
-            .order_by(a.created_at, spelling.by_id(a.run_id))
+            .order_by(r.priority.desc(), a.created_at, spelling.by_id(a.run_id))
             .limit(limit)
         )
     return (
         statement.where(a.updated_at <= a.created_at)
-        .order_by(r.updated_at, spelling.by_id(r.id))
+        .order_by(r.priority.desc(), r.updated_at, spelling.by_id(r.id))
         .limit(limit)
     )
 
@@ -480,6 +485,40 @@ def in_flight_by_task(tasks: Iterable[str], spelling: Spelling) -> Select:
         .select_from(run_dispatch_leases.join(runs, runs.c.id == l.run_id))
         .where(spelling.is_(l.status, LeaseStatus.LEASED), runs.c.task.in_(list(tasks)))
         .group_by(runs.c.task)
+    )
+
+
+# --- task limits (ADR 0014) ---------------------------------------------------------------------
+
+
+def list_task_limits() -> Select:
+    return select(task_limits).order_by(task_limits.c.task)
+
+
+def limits_of(tasks: Iterable[str]) -> Select:
+    """The limits of the tasks named that have one."""
+    return select(task_limits.c.task, task_limits.c.max_running).where(
+        task_limits.c.task.in_(sorted(set(tasks)))
+    )
+
+
+def task_limit_values(limit: TaskLimit) -> rows.Values:
+    return {
+        "task": limit.task,
+        "max_running": limit.max_running,
+        "updated_at": limit.updated_at_ms,
+    }
+
+
+def delete_task_limit(task: str) -> Delete:
+    return delete(task_limits).where(task_limits.c.task == task)
+
+
+def task_limit_from_row(row: rows.Row) -> TaskLimit:
+    return TaskLimit(
+        task=str(row["task"]),
+        max_running=int(row["max_running"]),
+        updated_at_ms=int(row["updated_at"]),
     )
 
 

@@ -1,7 +1,8 @@
-"""Migrations ``0002_ingress``, ``0005_ingress_claim`` and ``0010_ingress_outcomes`` install the
-ingress functions and their downgrades put back what was there before; the constants frozen in
-them are the application's (advisory lock namespace, notification channel, status and safety
-sets) and every transition the functions take is an edge of the domain's state diagrams."""
+"""Migrations ``0002_ingress``, ``0005_ingress_claim``, ``0010_ingress_outcomes`` and
+``0011_claim_priority_limits`` install the ingress functions and their downgrades put back what
+was there before; the constants frozen in them are the application's (advisory lock namespace,
+notification channel, status and safety sets) and every transition the functions take is an edge
+of the domain's state diagrams."""
 
 from __future__ import annotations
 
@@ -144,6 +145,44 @@ def test_the_outcomes_revision_edits_the_claim_revisions_function(
         drop_database(pg_server, name)
 
 
+CLAIM_LOCK = "SELECT prosrc FROM pg_proc WHERE proname = 'ql3_ingress_claim_lock'"
+CLAIM_ONE = "SELECT prosrc FROM pg_proc WHERE proname = 'ql3_ingress_claim_one'"
+CLAIMABLE_INDEX = "SELECT indexdef FROM pg_indexes WHERE indexname = 'ix_runs_claimable'"
+
+
+def test_upgrade_and_downgrade_of_the_claim_priority_and_limits(pg_server: PostgresServer) -> None:
+    name = random_name("ql3_migrate_")
+    url = create_database(pg_server, name)
+    engine = create_engine(url, poolclass=NullPool)
+    try:
+        upgrade(url, "0009_job_columns")
+        with engine.connect() as connection:
+            before = [
+                connection.execute(text(query)).scalar_one()
+                for query in (CLAIM_LOCK, CLAIM_ONE, CLAIMABLE_INDEX)
+            ]
+        upgrade(url, "0011_claim_priority_limits")
+        with engine.connect() as connection:
+            lock, one, index = (
+                connection.execute(text(query)).scalar_one()
+                for query in (CLAIM_LOCK, CLAIM_ONE, CLAIMABLE_INDEX)
+            )
+            assert connection.execute(text(FUNCTIONS)).scalar_one() == 18
+        assert "task_limits" in lock and "r.priority DESC" in lock
+        assert "task_limits" in one and "its limit is" in one
+        assert "(task, priority DESC, updated_at, id)" in index
+        _downgrade(engine, "0009_job_columns")
+        with engine.connect() as connection:
+            after = [
+                connection.execute(text(query)).scalar_one()
+                for query in (CLAIM_LOCK, CLAIM_ONE, CLAIMABLE_INDEX)
+            ]
+        assert after == before
+    finally:
+        engine.dispose()
+        drop_database(pg_server, name)
+
+
 def test_the_outcomes_revisions_frozen_lists_are_the_domains() -> None:
     r0010 = _revision("r0010_ingress_outcomes")
     assert values(STARTED_ATTEMPT_STATUSES) == r0010.STARTED_ATTEMPT_STATUSES
@@ -174,3 +213,16 @@ def test_the_outcomes_revisions_frozen_lists_are_the_domains() -> None:
                           output=None, error="boom", now_ms=lease.granted_at_ms + 1)
         keys |= set(change.event.data)
     assert keys == set(r0010.FAILED_EVENT_KEYS)
+
+
+def test_the_constants_frozen_in_0011_are_the_applications() -> None:
+    r0011 = _revision("r0011_claim_priority_limits")
+    r0005 = _revision("r0005_ingress_claim")
+    assert r0011.ADVISORY_LOCK_NAMESPACE == queries.ADVISORY_LOCK_NAMESPACE
+    assert values(CLAIMABLE_RUN_STATUSES) == r0011.CLAIMABLE_RUN_STATUSES
+    assert (r0011.MAX_BATCH_ITEMS, r0011.CLAIM_PAGE_SLACK) == (
+        r0005.MAX_BATCH_ITEMS,
+        r0005.CLAIM_PAGE_SLACK,
+    )
+    # The check is inserted into 0005's claim function exactly once.
+    assert r0011.claim_one_sql(r0005).count("its limit is") == 1

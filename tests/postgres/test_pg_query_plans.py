@@ -142,11 +142,17 @@ LOAD_HISTORY = [
 
 
 DEEP_QUEUE = 5_000
+# Every this many of the deep queue has priority 1, the others 0 (and a few -1): the claim still
+# reads the first entries of the index.
+DEEP_PRIORITY_EVERY = 1_000
 # A deep queue of one task: pristine Attempts of queued Runs, queued one millisecond apart.
 LOAD_DEEP_QUEUE = [
     f"""
-    INSERT INTO runs (id, task, owner, status, has_policy, attempt_count, created_at, updated_at)
-    SELECT 'deep-' || g, 'deep', 'runtime', 'queued', false, 1, t, t
+    INSERT INTO runs (id, task, owner, status, has_policy, attempt_count, priority,
+                      created_at, updated_at)
+    SELECT 'deep-' || g, 'deep', 'runtime', 'queued', false, 1,
+           CASE WHEN g % {DEEP_PRIORITY_EVERY} = 0 THEN 1 WHEN g % 7 = 0 THEN -1 ELSE 0 END,
+           t, t
     FROM generate_series(1, {DEEP_QUEUE}) AS g,
          LATERAL (SELECT now() - interval '1 hour' + g * interval '1 millisecond' AS t) AS at
     """,
@@ -156,10 +162,13 @@ LOAD_DEEP_QUEUE = [
     FROM generate_series(1, {DEEP_QUEUE}) AS g,
          LATERAL (SELECT now() - interval '1 hour' + g * interval '1 millisecond' AS t) AS at
     """,
-    # The oldest of all, handed back just now: first in the queue, though its Run moved last.
+    # The oldest of all, of the highest priority, handed back just now: first in the queue,
+    # though its Run moved last.
     """
-    INSERT INTO runs (id, task, owner, status, has_policy, attempt_count, created_at, updated_at)
-    VALUES ('deep-0', 'deep', 'runtime', 'queued', false, 1, now() - interval '2 hours', now())
+    INSERT INTO runs (id, task, owner, status, has_policy, attempt_count, priority,
+                      created_at, updated_at)
+    VALUES ('deep-0', 'deep', 'runtime', 'queued', false, 1, 2, now() - interval '2 hours',
+            now())
     """,
     """
     INSERT INTO run_attempts (id, run_id, number, status, created_at, updated_at)
@@ -353,8 +362,9 @@ def test_the_claim_reads_a_deep_queue_from_its_index_in_queue_order(plans: Plans
     plan = plans.deep_claim
     assert "ix_runs_claimable" in _index_scans(plan)
     assert _seq_scans(plan) == set()
-    # The candidates come out of the index in queue order, so the row locks take the first few
-    # and stop: no sort of the queue below them.
+    # The candidates never changed come out of the index in claim order (priority, then age),
+    # so the row locks take the first few and stop: no sort of the queue below them. The
+    # handed-back ones (few at any time) are read from their own index and sorted.
     limits = [
         node
         for node in _nodes(plan)
@@ -366,9 +376,11 @@ def test_the_claim_reads_a_deep_queue_from_its_index_in_queue_order(plans: Plans
     read: set[str] = set()
     for limit in limits:
         (lock,) = [child for child in limit["Plans"] if child["Node Type"] == "LockRows"]
-        assert not [n for n in _nodes(lock) if n["Node Type"] in ("Sort", "Incremental Sort")]
+        sorts = [n for n in _nodes(lock) if n["Node Type"] in ("Sort", "Incremental Sort")]
         indexes = _index_scans(lock)
         read |= indexes
+        if "ix_run_attempts_handed_back" not in indexes:
+            assert not sorts
         if "ix_runs_claimable" in indexes:
             # Reading the first 16 costs a small part of locking the whole queue (which the
             # LockRows node prices): the scan stops at the limit.
@@ -379,4 +391,5 @@ def test_the_claim_reads_a_deep_queue_from_its_index_in_queue_order(plans: Plans
             assert float(limit["Total Cost"]) * 20 < float(lock["Total Cost"])
     assert {"ix_runs_claimable", "ix_run_attempts_handed_back"} <= read
     deep = plans.pages["deep_claim"]
-    assert [c.run.id for c in deep.candidates] == ["deep-0", "deep-1", "deep-2"]
+    # Priority 2 (handed back), then priority 1 oldest first.
+    assert [c.run.id for c in deep.candidates] == ["deep-0", "deep-1000", "deep-2000"]

@@ -1,6 +1,7 @@
 """A SQLite database of schema version 3 (before ADRs 0013 to 0015) is brought to version 4 when
 it is opened: the job columns of ``runs`` (a Run admitted before has priority 0, no unique key,
-no timeout and no retry on error) and ``task_limits``, its rows kept."""
+no timeout and no retry on error), ``task_limits`` and ``ix_runs_claimable`` by priority, its
+rows kept."""
 
 from __future__ import annotations
 
@@ -19,6 +20,10 @@ JOB_COLUMNS = (
     "unique_key",
 )
 NEW_CHECKED = JOB_COLUMNS
+# ``ix_runs_claimable`` as version 3 declared it, before it led with the priority (ADR 0014).
+VERSION_3_CLAIMABLE = (
+    "CREATE INDEX ix_runs_claimable ON runs (task, updated_at, id) WHERE status IN ('queued')"
+)
 
 
 def _as_version_3(path: Path) -> None:
@@ -52,6 +57,8 @@ def _as_version_3(path: Path) -> None:
         connection.execute(f"INSERT INTO runs ({columns}) SELECT {columns} FROM runs_new")
         connection.execute("DROP TABLE runs_new")
         for (index,) in indexes:
+            if "ix_runs_claimable" in index:
+                index = VERSION_3_CLAIMABLE
             if not any(column in index for column in JOB_COLUMNS):  # no index of version 4
                 connection.execute(index)
         connection.execute("DROP TABLE task_limits")
@@ -86,7 +93,11 @@ def test_a_version_3_database_is_upgraded_in_place(tmp_path: Path) -> None:
                 )
             }
             run = uow.runs.get_run(queued)
+            (claimable,) = uow.connection.exec_driver_sql(
+                "SELECT sql FROM sqlite_master WHERE name = 'ix_runs_claimable'"
+            ).one()
         assert version == SCHEMA_VERSION == 4
+        assert "(task, priority DESC, updated_at, id)" in claimable
         assert "task_limits" in tables
         assert "uq_runs_unique_key" in indexes  # ADR 0015
         assert run is not None and run.input == {"n": 1}

@@ -46,6 +46,7 @@ from application.scheduler import (
     SchedulerCoordinator,
 )
 from application.startup import StartupRecovery
+from application.task_limits import TaskLimits
 from application.worker_commands import (
     Abandonment,
     BatchAnswer,
@@ -264,6 +265,21 @@ def _locked_lease(rv: RunView, attempt: Attempt) -> DispatchLease | None:
     if attempt.lease_generation is not None:
         return _lease(rv, attempt.lease_generation)
     return max(rv.leases, key=lambda x: x.generation) if rv.leases else None
+
+
+def claim_order(view: StoreView, attempt: Attempt) -> tuple[int, int]:
+    """Where a queued Attempt stands in its task's claim order: the Run's highest priority
+    first, then the oldest (ADR 0014)."""
+    return (-view.runs[attempt.run_id].run.priority, attempt.created_at_ms)
+
+
+def leased_by_task(view: StoreView) -> dict[str, int]:
+    """Per task, the Runs holding a ``leased`` lease."""
+    counts: dict[str, int] = defaultdict(int)
+    for rv in view.runs.values():
+        if any(x.status is LeaseStatus.LEASED for x in rv.leases):
+            counts[rv.run.task] += 1
+    return counts
 
 
 def _held_by(view: StoreView, session_id: str) -> list[str]:
@@ -552,6 +568,10 @@ def make_machine(
             self.previous: StoreView | None = None
             self.pruned: set[str] = set()  # Runs a prune deleted (ADR 0016)
             self.cancelled_at: dict[str, frozenset[str]] = {}
+            # task limits (ADR 0014): the limit of each limited task, and how many of its
+            # Attempts were leased beyond it when it was set (lowered as they finish)
+            self.limits: dict[str, int] = {}
+            self.over_limit: dict[str, int] = {}
 
         # --- helpers ------------------------------------------------------------------------
 
@@ -803,18 +823,23 @@ def make_machine(
             return multiple(*self.admit_many(tasks, policy))
 
         def admit_many(self, tasks: list[str], policy: RetryPolicy | None,
-                       timeout_ms: int | None = None) -> list[str]:
+                       timeout_ms: int | None = None,
+                       priorities: Sequence[int] | None = None) -> list[str]:
             before = self.current()
+            chosen = list(priorities) if priorities is not None else [0] * len(tasks)
             run_ids = self.admission.submit_many(
                 [AdmissionRequest(task=task, input={"task": task}, policy=policy,
-                                  timeout_ms=timeout_ms)
-                 for task in tasks]
+                                  timeout_ms=timeout_ms, priority=priority)
+                 for task, priority in zip(tasks, chosen, strict=True)]
             )
             after = self.view()
-            for run_id, task in zip(run_ids, tasks, strict=True):
+            for run_id, task, priority in zip(run_ids, tasks, chosen, strict=True):
                 run = after.runs[run_id]
-                assert (run.run.status, run.run.task, run.run.policy, run.run.timeout_ms) == (
-                    RunStatus.QUEUED, task, policy, timeout_ms
+                assert (
+                    run.run.status, run.run.task, run.run.policy, run.run.timeout_ms,
+                    run.run.priority,
+                ) == (
+                    RunStatus.QUEUED, task, policy, timeout_ms, priority
                 )
                 assert len(run.attempts) == 1 and run.attempts[0].is_pristine
                 assert [e[1] for e in run.events] == [EventType.RUN_ADMITTED.value]
@@ -1010,11 +1035,19 @@ def make_machine(
                     (rv.attempts[-1] for rv in before.runs.values()
                      if rv.run.task == task and rv.run.status is RunStatus.QUEUED
                      and rv.attempts and rv.attempts[-1].is_pristine),
-                    key=lambda a: a.created_at_ms,
+                    key=lambda a: claim_order(before, a),
                 )
                 for task in state.tasks
             }
             grants = answer.grants
+            # in flight per task once this call's completions and hand-backs are written,
+            # before its grants: what the claim balances and limits
+            in_flight = Counter(leased_by_task(after))
+            in_flight.subtract(Counter(g.task for g in grants))
+            takes = {
+                task: min(limit, len(queued), self.free_places(task, in_flight[task]))
+                for task, queued in candidates.items()
+            }
             if limit == 0:
                 expected_no_grant = None
             elif state.status is not SessionStatus.ACTIVE:
@@ -1025,7 +1058,7 @@ def make_machine(
             elif room <= 0:
                 expected_no_grant = NoGrant.NO_CAPACITY
             else:
-                window = sum(min(limit, len(c)) for c in candidates.values())
+                window = sum(takes.values())
                 expected_count = min(room, window)
                 assert len(grants) == expected_count, (len(grants), room, window)
                 expected_no_grant = None if expected_count else NoGrant.NOTHING_QUEUED
@@ -1034,7 +1067,7 @@ def make_machine(
             assert answer.no_grant is expected_no_grant, (answer.no_grant, expected_no_grant)
             _count(f"claim:no_grant:{expected_no_grant.value if expected_no_grant else ''}")
             if grants:
-                self.check_fair(grants, candidates, limit, before)
+                self.check_fair(grants, candidates, takes, in_flight, before)
             for grant in grants:
                 assert grant.run_id not in touched
                 touched.add(grant.run_id)
@@ -1047,29 +1080,28 @@ def make_machine(
             self.check_untouched(before, after, touched)
 
         def check_fair(self, grants: Sequence[Any], candidates: dict[str, list[Attempt]],
-                       limit: int, before: StoreView) -> None:
-            """Within a task the oldest queued Attempts are taken; across tasks each grant goes
-            to the task with the fewest Attempts in flight (ADR 0003)."""
+                       takes: dict[str, int], in_flight: Counter[str],
+                       before: StoreView) -> None:
+            """Within a task the highest priority, then the oldest queued Attempts are taken
+            (ADR 0014); across tasks each grant goes to the task with the fewest Attempts in
+            flight (ADR 0003), never past a task's limit."""
             granted = {g.attempt_id for g in grants}
             picks: dict[str, int] = defaultdict(int)
             for task, queued in candidates.items():
                 mine = [a for a in queued if a.id in granted]
                 rest = [a for a in queued if a.id not in granted]
                 picks[task] = len(mine)
+                assert picks[task] <= takes[task], ("past the limit", task, picks[task])
                 if mine and rest:
-                    assert max(a.created_at_ms for a in mine) <= min(
-                        a.created_at_ms for a in rest
-                    ), "a younger attempt was claimed before an older one of its task"
+                    assert max(claim_order(before, a) for a in mine) <= min(
+                        claim_order(before, a) for a in rest
+                    ), "a later attempt (priority, age) was claimed before an earlier one"
             assert sum(picks.values()) == len(grants)
-            in_flight: dict[str, int] = defaultdict(int)
-            for rv in before.runs.values():
-                if any(x.status is LeaseStatus.LEASED for x in rv.leases):
-                    in_flight[rv.run.task] += 1
             for served, count in picks.items():
                 if not count:
                     continue
-                for starved, queued in candidates.items():
-                    if picks[starved] < min(limit, len(queued)):
+                for starved in candidates:
+                    if picks[starved] < takes[starved]:
                         assert in_flight[served] + count - 1 <= (
                             in_flight[starved] + picks[starved]
                         ), ("unfair", dict(picks), dict(in_flight))
@@ -1722,10 +1754,55 @@ def make_machine(
             for session_id in view.sessions:
                 assert _held_by(view, session_id) == sorted(self.held_by(session_id))
             self.delayed_and_unique_invariants(view)
+            self.check_limits(view)
             self.previous = view
 
         def held_by(self, session_id: str) -> list[str]:
             with self.store.unit_of_work() as uow:
                 return list(uow.sessions.held_by(session_id))
+
+        # --- priorities and task limits (ADR 0014) ---------------------------------------
+
+        def free_places(self, task: str, in_flight: int) -> int:
+            """How many more of the task a claim may grant: unbounded without a limit."""
+            if task not in self.limits:
+                return 1 << 30
+            return max(0, self.limits[task] - in_flight)
+
+        @rule(target=runs, tasks=st.lists(st.sampled_from(TASKS), min_size=1, max_size=3),
+              priorities=st.lists(st.sampled_from([-1, 0, 0, 1, 7]), min_size=3, max_size=3),
+              policy=policies())
+        def admit_prioritized(self, tasks: list[str], priorities: list[int],
+                              policy: RetryPolicy | None) -> Any:
+            return multiple(*self.admit_many(tasks, policy, priorities[: len(tasks)]))
+
+        @rule(task=st.sampled_from(TASKS), limit=st.sampled_from([0, 1, 1, 2, None]))
+        def task_limit(self, task: str, limit: int | None) -> None:
+            """An operator sets a task's limit (or clears it, None); no Run changes."""
+            before = self.current()
+            limits = TaskLimits(self.store.unit_of_work)
+            if limit is None:
+                assert limits.clear(task) is (task in self.limits)
+                self.limits.pop(task, None)
+                self.over_limit.pop(task, None)
+                _count("task_limit:cleared")
+            else:
+                limits.set(task, limit)
+                self.limits[task] = limit
+                self.over_limit[task] = leased_by_task(before)[task]
+                _count(f"task_limit:{limit}")
+            assert {x.task: x.max_running for x in limits.all()} == self.limits
+            assert self.view().runs == before.runs
+
+        def check_limits(self, view: StoreView) -> None:
+            """Invariant: the leased Attempts of a limited task never exceed its limit, but for
+            those already leased when it was lowered, which only finish."""
+            leased = leased_by_task(view)
+            for task, limit in self.limits.items():
+                allowed = max(limit, self.over_limit.get(task, 0))
+                assert leased[task] <= allowed, (task, leased[task], limit)
+                self.over_limit[task] = min(self.over_limit.get(task, 0), leased[task])
+                if leased[task] and leased[task] == limit:
+                    _count("task_limit:full")
 
     return RuntimeMachine

@@ -14,11 +14,20 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from sqlalchemy import ColumnElement, Delete, Insert, Select, Update, delete, func, literal, select
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
 from adapters.sql import statements
-from adapters.sql.schema import metadata, run_attempts, run_dispatch_leases, runs, triggers
+from adapters.sql.schema import (
+    metadata,
+    run_attempts,
+    run_dispatch_leases,
+    runs,
+    task_limits,
+    triggers,
+)
 from adapters.sql.statements import Spelling, attempt_columns, run_columns
 from application.ports import OPEN_GATE
+from domain.dispatch import TaskLimit
 from domain.model import DispatchLease, LeaseStatus, RunOwner, RunStatus
 from domain.triggers import TriggerStatus
 
@@ -134,6 +143,10 @@ def leases_held(session_id: str) -> Select:
     return statements.leases_held(session_id, SQLITE)
 
 
+def limits_of(tasks: Iterable[str]) -> Select:
+    return statements.limits_of(tasks)
+
+
 def claimable(task: str, limit: int, *, handed_back: bool) -> Select:
     return statements.claimable(task, limit, SQLITE, handed_back=handed_back)
 
@@ -178,3 +191,13 @@ def delete_all() -> list[Delete | Insert]:
         *(delete(table) for table in reversed(metadata.sorted_tables)),
         statements.insert_gate(OPEN_GATE),
     ]
+
+
+def upsert_task_limit(limit: TaskLimit) -> Insert:
+    """Record a task's limit, replacing the one it has (ADR 0014)."""
+    values = statements.task_limit_values(limit)
+    statement = sqlite_insert(task_limits).values(**values)
+    return statement.on_conflict_do_update(
+        index_elements=[task_limits.c.task],
+        set_={"max_running": values["max_running"], "updated_at": values["updated_at"]},
+    )

@@ -94,6 +94,7 @@ from application.ports import (
     WorkerSessionRegistry,
     WorkflowRepository,
 )
+from domain.dispatch import TaskLimit
 from domain.errors import ConcurrencyConflict
 from domain.model import (
     Attempt,
@@ -224,13 +225,24 @@ class SqliteRunRepository(OneAtATime, SqlRunRepository[SqliteUnitOfWork]):
             # the executing process's frontier starts it.
             self._uow.note_admission()
 
+    def set_task_limit(self, limit: TaskLimit) -> None:
+        super().set_task_limit(limit)
+        self._uow.note_admission()  # a raised limit may make queued Runs claimable
+
+    def clear_task_limit(self, task: str) -> bool:
+        cleared = super().clear_task_limit(task)
+        if cleared:
+            self._uow.note_admission()
+        return cleared
+
     def lock_for_claim(
         self, session_id: str, tasks: Sequence[str], limit_per_task: int
     ) -> ClaimLock:
         """Read under the transaction's database lock, which no other writer shares: the
         session, the leases it holds, the gate and, while it is open, each task's oldest
-        claimable Attempts with their Runs' latest leases (the oldest of those never changed and
-        of those handed back, merged; see :func:`adapters.sql.statements.claimable`)."""
+        claimable Attempts with their Runs' latest leases (the first of those never changed and
+        of those handed back, merged; see :func:`adapters.sql.statements.claimable`), and the
+        limits of their tasks."""
         uow = self._uow
         now_ms = uow.now_ms()
         row = uow.execute(statements.get_session(session_id)).mappings().first()
@@ -241,6 +253,7 @@ class SqliteRunRepository(OneAtATime, SqlRunRepository[SqliteUnitOfWork]):
         gate = SqlGateRepository(uow).get()
         candidates: list[Snapshot] = []
         in_flight: dict[str, int] = {}
+        limits: dict[str, int] = {}
         if gate.open and capacity is not None:
             for task in sorted(set(tasks)):
                 found = [
@@ -253,7 +266,7 @@ class SqliteRunRepository(OneAtATime, SqlRunRepository[SqliteUnitOfWork]):
                         queries.claimable(task, limit_per_task, handed_back=handed_back)
                     ).mappings()
                 ]
-                found.sort(key=lambda pair: (pair[1].created_at_ms, pair[0].id))
+                found.sort(key=lambda pair: (-pair[0].priority, pair[1].created_at_ms, pair[0].id))
                 for run, attempt in found[:limit_per_task]:
                     lease = self._lease(run.id, attempt)
                     candidates.append(Snapshot(run=run, attempt=attempt, lease=lease))
@@ -261,12 +274,15 @@ class SqliteRunRepository(OneAtATime, SqlRunRepository[SqliteUnitOfWork]):
             if claimed_tasks:
                 counts = uow.execute(queries.in_flight_by_task(claimed_tasks))
                 in_flight = {str(task): int(count) for task, count in counts}
+                found_limits = uow.execute(queries.limits_of(claimed_tasks))
+                limits = {str(task): int(limit) for task, limit in found_limits}
         return ClaimLock(
             capacity=capacity,
             gate=gate,
             candidates=tuple(candidates),
             in_flight_by_task=in_flight,
             observed_at_ms=now_ms,
+            limits=limits,
         )
 
     def lock_attempt(self, attempt_id: str, *, skip_locked: bool = False) -> Snapshot | None:
@@ -726,6 +742,13 @@ def upgrade_from_version_3(connection: Connection) -> None:
     ADR 0016)."""
     _add_missing_columns(connection, _WIDENED_IN_VERSION_4)
     metadata.create_all(connection)
+    renew_claimable_index(connection)
+
+
+def renew_claimable_index(connection: Connection) -> None:
+    """``ix_runs_claimable`` as declared (by task, then priority, since ADR 0014): an index of
+    an older declaration is dropped first, since it keeps the name."""
+    connection.exec_driver_sql("DROP INDEX IF EXISTS ix_runs_claimable")
     _create_missing_indexes(connection)
 
 

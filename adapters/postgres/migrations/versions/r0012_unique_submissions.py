@@ -11,7 +11,7 @@ index starts empty of conflicts.
 Written out by hand and frozen: later changes to the declared metadata get their own revision.
 
 Revision ID: 0012_unique_submissions
-Revises: 0010_ingress_outcomes
+Revises: 0011_claim_priority_limits
 Create Date: 2026-12-01
 """
 
@@ -21,7 +21,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision = "0012_unique_submissions"
-down_revision = "0010_ingress_outcomes"
+down_revision = "0011_claim_priority_limits"
 branch_labels = None
 depends_on = None
 
