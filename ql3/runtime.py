@@ -191,17 +191,8 @@ class Runtime:
         :data:`domain.model.MIN_PRIORITY` .. :data:`domain.model.MAX_PRIORITY`). ``delay``,
         ``run_after`` and ``unique_key`` as for :class:`Submission`: with a key an unfinished
         run holds, that run's id is returned (:meth:`submit_unique` also says so)."""
-        submission = Submission(
-            task,
-            input,
-            policy,
-            timeout,
-            priority,
-            delay=delay,
-            run_after=run_after,
-            unique_key=unique_key,
-        )
-        return self.submit_many([submission], transaction=transaction)[0]
+        one = Submission(task, input, policy, timeout, priority, delay, run_after, unique_key)
+        return self.submit_many([one], transaction=transaction)[0]
 
     def submit_unique(
         self,
@@ -219,17 +210,8 @@ class Runtime:
         """:meth:`submit` with a unique key, answering whether the run existed already: while
         an unfinished run holds ``unique_key`` its id comes back with ``existing=True`` and
         nothing is written; otherwise a new run is admitted (``existing=False``)."""
-        submission = Submission(
-            task,
-            input,
-            policy,
-            timeout,
-            priority,
-            delay=delay,
-            run_after=run_after,
-            unique_key=unique_key,
-        )
-        request = self.request(submission)
+        one = Submission(task, input, policy, timeout, priority, delay, run_after, unique_key)
+        request = self.request(one)
         admission = (
             self._producer.admission if transaction is None else self._admission_in(transaction)
         )

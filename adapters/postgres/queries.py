@@ -20,7 +20,7 @@ transaction that rolls back. A node's one ``LISTEN`` connection wakes its parked
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from sqlalchemy import (
     ColumnElement,
@@ -50,7 +50,6 @@ from adapters.sql.schema import (
     run_attempts,
     run_dispatch_leases,
     runs,
-    task_limits,
 )
 from adapters.sql.statements import Spelling, attempt_columns, lease_columns, run_columns
 from domain.dispatch import TaskLimit
@@ -271,9 +270,4 @@ def truncate_all() -> str:
 
 def upsert_task_limit(limit: TaskLimit) -> Insert:
     """Record a task's limit, replacing the one it has (ADR 0014)."""
-    values = statements.task_limit_values(limit)
-    statement = pg_insert(task_limits).values(**values)
-    return statement.on_conflict_do_update(
-        index_elements=[task_limits.c.task],
-        set_={"max_running": values["max_running"], "updated_at": values["updated_at"]},
-    )
+    return cast(Insert, statements.upsert_task_limit(limit, pg_insert))

@@ -510,6 +510,20 @@ def task_limit_values(limit: TaskLimit) -> rows.Values:
     }
 
 
+def upsert_task_limit(limit: TaskLimit, insert: Any) -> Any:
+    """Record a task's limit, replacing the one it has (ADR 0014), with the dialect's ``insert``
+    (both PostgreSQL's and SQLite's take ``ON CONFLICT DO UPDATE``)."""
+    values = task_limit_values(limit)
+    return (
+        insert(task_limits)
+        .values(**values)
+        .on_conflict_do_update(
+            index_elements=[task_limits.c.task],
+            set_={"max_running": values["max_running"], "updated_at": values["updated_at"]},
+        )
+    )
+
+
 def delete_task_limit(task: str) -> Delete:
     return delete(task_limits).where(task_limits.c.task == task)
 

@@ -1192,7 +1192,7 @@ def make_machine(
         def admit_retried_runs(self, tasks: list[str], policy: RetryPolicy | None,
                                timeout: int | None) -> Any:
             """Runs that retry on error, some with an execution timeout."""
-            return multiple(*self.admit_many(tasks, policy, timeout))
+            return multiple(*self.admit_many(tasks, policy, timeout_ms=timeout))
 
         @precondition(lambda self: bool(self.fences))
         @rule(first=st.integers(0, 63), caller=CALLERS, picks=BATCH, pool_of=POOLS,
@@ -1774,7 +1774,7 @@ def make_machine(
               policy=policies())
         def admit_prioritized(self, tasks: list[str], priorities: list[int],
                               policy: RetryPolicy | None) -> Any:
-            return multiple(*self.admit_many(tasks, policy, priorities[: len(tasks)]))
+            return multiple(*self.admit_many(tasks, policy, priorities=priorities[: len(tasks)]))
 
         @rule(task=st.sampled_from(TASKS), limit=st.sampled_from([0, 1, 1, 2, None]))
         def task_limit(self, task: str, limit: int | None) -> None:

@@ -11,7 +11,7 @@ whole database, which serialises every writer.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, cast
 
 from sqlalchemy import ColumnElement, Delete, Insert, Select, Update, delete, func, literal, select
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
@@ -22,7 +22,6 @@ from adapters.sql.schema import (
     run_attempts,
     run_dispatch_leases,
     runs,
-    task_limits,
     triggers,
 )
 from adapters.sql.statements import Spelling, attempt_columns, run_columns
@@ -195,9 +194,4 @@ def delete_all() -> list[Delete | Insert]:
 
 def upsert_task_limit(limit: TaskLimit) -> Insert:
     """Record a task's limit, replacing the one it has (ADR 0014)."""
-    values = statements.task_limit_values(limit)
-    statement = sqlite_insert(task_limits).values(**values)
-    return statement.on_conflict_do_update(
-        index_elements=[task_limits.c.task],
-        set_={"max_running": values["max_running"], "updated_at": values["updated_at"]},
-    )
+    return cast(Insert, statements.upsert_task_limit(limit, sqlite_insert))
