@@ -8,7 +8,12 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from application.ports import Identities, UnitOfWork, UnitOfWorkFactory
+from application.ports import (
+    AdmissionUnitOfWork,
+    AdmissionUnitOfWorkFactory,
+    Identities,
+    UnitOfWorkFactory,
+)
 from domain.errors import ConcurrencyConflict, InvalidAdmission
 from domain.model import JsonValue, RunOwner, RunStatus
 from domain.policy import RetryPolicy
@@ -96,62 +101,9 @@ class Admission:
         return [answer.run_id for answer in self.admit_many(requests)]
 
     def admit_many(self, requests: Sequence[AdmissionRequest]) -> list[Admitted]:
-        """:meth:`submit_many`, each answer saying whether its Run existed already. Requests of
-        the batch with one unique key share one Run: the first of them is admitted (unless an
-        unfinished Run holds the key), the later ones are answered ``existing``."""
-        if not 1 <= len(requests) <= MAX_BATCH:
-            raise ValueError(f"a batch holds 1..{MAX_BATCH} runs")
-        keys = sorted({r.unique_key for r in requests if r.unique_key is not None})
-        with self._uow_factory() as uow:
-            held = _held(uow, keys)
-            for round_ in range(1, KEY_ROUNDS + 1):
-                answers, changes = self._changes(requests, held, uow.now_ms())
-                if not changes:
-                    break
-                try:
-                    uow.runs.add_many(changes)
-                    break
-                except ConcurrencyConflict:
-                    # Another transaction may have admitted a Run with one of the keys after
-                    # they were read (the partial unique index refused this batch, which left
-                    # nothing behind): read them again; a conflict of any other kind is raised.
-                    before, held = held, _held(uow, keys)
-                    if not keys or set(held) == set(before) or round_ == KEY_ROUNDS:
-                        raise
-            uow.commit()
-        return answers
-
-    def _changes(
-        self, requests: Sequence[AdmissionRequest], held: Mapping[str, str], now_ms: int
-    ) -> tuple[list[Admitted], list[Change]]:
-        taken = dict(held)
-        answers: list[Admitted] = []
-        changes: list[Change] = []
-        for request in requests:
-            key = request.unique_key
-            if key is not None and key in taken:
-                answers.append(Admitted(run_id=taken[key], existing=True))
-                continue
-            change = admit(
-                run_id=self._identities.new_id(),
-                attempt_id=self._identities.new_id(),
-                task=request.task,
-                input=request.input,
-                policy=request.policy,
-                owner=RunOwner.RUNTIME,
-                priority=request.priority,
-                unique_key=key,
-                timeout_ms=request.timeout_ms,
-                run_after_ms=due_time(
-                    now_ms, delay_ms=request.delay_ms, run_after_ms=request.run_after_ms
-                ),
-                now_ms=now_ms,
-            )
-            if key is not None:
-                taken[key] = change.run.id
-            changes.append(change)
-            answers.append(Admitted(run_id=change.run.id))
-        return answers, changes
+        """:meth:`submit_many`, each answer saying whether its Run existed already; see
+        :func:`admit_requests`."""
+        return admit_requests(self._uow_factory, self._identities, requests)
 
     def cancel(self, run_id: str, reason: str = "cancelled") -> RunStatus:
         """Cancel an unfinished Run at once and return the status it had (ADR 0017). A waiting
@@ -176,6 +128,74 @@ class Admission:
         return snapshot.run.status
 
 
-def _held(uow: UnitOfWork, keys: Sequence[str]) -> Mapping[str, str]:
+def admit_requests(
+    uow_factory: AdmissionUnitOfWorkFactory,
+    identities: Identities,
+    requests: Sequence[AdmissionRequest],
+) -> list[Admitted]:
+    """Admit a batch in one transaction of ``uow_factory``: all or none, the answers in order.
+    Requests of the batch with one unique key share one Run: the first of them is admitted
+    (unless an unfinished Run holds the key), the later ones are answered ``existing``. Every
+    admission goes through here, ``ql3 submit`` on its submit-only stores included."""
+    if not 1 <= len(requests) <= MAX_BATCH:
+        raise ValueError(f"a batch holds 1..{MAX_BATCH} runs")
+    keys = sorted({r.unique_key for r in requests if r.unique_key is not None})
+    with uow_factory() as uow:
+        held = _held(uow, keys)
+        for round_ in range(1, KEY_ROUNDS + 1):
+            answers, changes = _changes(identities, requests, held, uow.now_ms())
+            if not changes:
+                break
+            try:
+                uow.runs.add_many(changes)
+                break
+            except ConcurrencyConflict:
+                # Another transaction may have admitted a Run with one of the keys after they
+                # were read (the partial unique index refused this batch, which left nothing
+                # behind): read them again; a conflict of any other kind is raised.
+                before, held = held, _held(uow, keys)
+                if not keys or set(held) == set(before) or round_ == KEY_ROUNDS:
+                    raise
+        uow.commit()
+    return answers
+
+
+def _changes(
+    identities: Identities,
+    requests: Sequence[AdmissionRequest],
+    held: Mapping[str, str],
+    now_ms: int,
+) -> tuple[list[Admitted], list[Change]]:
+    taken = dict(held)
+    answers: list[Admitted] = []
+    changes: list[Change] = []
+    for request in requests:
+        key = request.unique_key
+        if key is not None and key in taken:
+            answers.append(Admitted(run_id=taken[key], existing=True))
+            continue
+        change = admit(
+            run_id=identities.new_id(),
+            attempt_id=identities.new_id(),
+            task=request.task,
+            input=request.input,
+            policy=request.policy,
+            owner=RunOwner.RUNTIME,
+            priority=request.priority,
+            unique_key=key,
+            timeout_ms=request.timeout_ms,
+            run_after_ms=due_time(
+                now_ms, delay_ms=request.delay_ms, run_after_ms=request.run_after_ms
+            ),
+            now_ms=now_ms,
+        )
+        if key is not None:
+            taken[key] = change.run.id
+        changes.append(change)
+        answers.append(Admitted(run_id=change.run.id))
+    return answers, changes
+
+
+def _held(uow: AdmissionUnitOfWork, keys: Sequence[str]) -> Mapping[str, str]:
     """The unfinished Runs holding any of ``keys``, by key (no read for none)."""
     return uow.runs.unfinished_with_keys(keys) if keys else {}

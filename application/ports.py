@@ -11,23 +11,26 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
-from domain.credentials import CredentialEvent, WorkerCredential
-from domain.dispatch import TaskLimit
-from domain.events import RunEvent
-from domain.model import (
-    Attempt,
-    AttemptStatus,
-    DispatchLease,
-    Run,
-    RunStatus,
-    StopReport,
-    WorkerSession,
-)
-from domain.transitions import Change
-from domain.triggers import FireSchedule, Trigger, TriggerFiring
-from domain.workflows import WorkflowStep
+if TYPE_CHECKING:
+    # Annotations only: a submit imports the ports without the domain's triggers, workflows
+    # and credentials (ADR 0009).
+    from domain.credentials import CredentialEvent, WorkerCredential
+    from domain.dispatch import TaskLimit
+    from domain.events import RunEvent
+    from domain.model import (
+        Attempt,
+        AttemptStatus,
+        DispatchLease,
+        Run,
+        RunStatus,
+        StopReport,
+        WorkerSession,
+    )
+    from domain.transitions import Change
+    from domain.triggers import FireSchedule, Trigger, TriggerFiring
+    from domain.workflows import WorkflowStep
 
 HARD_PAGE_CAP = 64
 DEFAULT_PAGE_SIZE = 16
@@ -387,6 +390,40 @@ class HistoryRepository(Protocol):
         reports, events, leases, Attempts, trigger firings, workflow steps. Raises
         ``ConcurrencyConflict`` when a row another writer added meanwhile still references one
         of them; the unit of work must then be rolled back."""
+
+
+class AdmissionRuns(Protocol):
+    """What admitting Runs needs of the Runs of a unit of work (every :class:`RunRepository`
+    has it)."""
+
+    def unfinished_with_keys(self, keys: Sequence[str]) -> Mapping[str, str]: ...
+
+    def add_many(self, changes: Sequence[Change]) -> None: ...
+
+
+class AdmissionUnitOfWork(Protocol):
+    """What admitting Runs needs of a unit of work: every :class:`UnitOfWork`, and the
+    submit-only stores of ``ql3 submit``, which offer nothing else (ADR 0009)."""
+
+    @property
+    def runs(self) -> AdmissionRuns: ...
+
+    def now_ms(self) -> int: ...
+
+    def commit(self) -> None: ...
+
+    def __enter__(self) -> AdmissionUnitOfWork: ...
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None: ...
+
+
+class AdmissionUnitOfWorkFactory(Protocol):
+    def __call__(self) -> AdmissionUnitOfWork: ...
 
 
 class UnitOfWork(Protocol):

@@ -12,13 +12,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from application.admission import Admission
+from application.admission import Admission, AdmissionRequest, Admitted, admit_requests
 from application.identities import RandomIdentities
-from application.ports import SchedulerStore
+from application.ports import AdmissionUnitOfWork, SchedulerStore
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from application.queries import RunQueries
 
 SQLITE_BUSY_TIMEOUT_S = 30.0
@@ -39,6 +41,39 @@ def open_sqlite_store(
     from adapters.sql.sqlite import SqliteStore
 
     return SqliteStore(database_path, busy_timeout_s=busy_timeout_s, synchronous=synchronous)
+
+
+class SubmitStore(Protocol):
+    """What :func:`submit` needs of a store: its units of work admit Runs."""
+
+    def unit_of_work(self) -> AdmissionUnitOfWork: ...
+
+    def close(self) -> None: ...
+
+
+def open_postgres_submit_store(database_url: str) -> SubmitStore:
+    """Admission alone, on the psycopg driver alone (quick to import: no SQLAlchemy)."""
+    from adapters.postgres.submit import PostgresSubmitStore
+
+    return PostgresSubmitStore(database_url)
+
+
+def open_sqlite_submit_store(database_path: str) -> SubmitStore:
+    """Admission alone on the ``sqlite3`` driver, into an existing database of the store's
+    schema version; any other file (missing, older, not the runtime's) is opened by the store,
+    which creates, upgrades or refuses it."""
+    from adapters.sql.sqlite.submit import SqliteSubmitStore
+
+    store = SqliteSubmitStore.open(database_path, busy_timeout_s=SQLITE_BUSY_TIMEOUT_S)
+    if store is not None:
+        return store
+    return open_sqlite_store(database_path)
+
+
+def submit(store: SubmitStore, requests: Sequence[AdmissionRequest]) -> list[Admitted]:
+    """Admit ``requests`` on ``store``, as every admission does
+    (:func:`application.admission.admit_requests`)."""
+    return admit_requests(store.unit_of_work, RandomIdentities(), requests)
 
 
 @dataclass

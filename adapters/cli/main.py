@@ -14,7 +14,7 @@ from typing import Any, NoReturn
 
 import click
 
-from adapters.cli import db_cmds, standalone_cmds
+from adapters.cli.lazy import LazyGroup
 from application.admission import AdmissionRequest, UnknownRun
 from application.budgets import InvalidPageSize
 from application.history import (
@@ -114,6 +114,24 @@ def _producer(database_url: str | None) -> Iterator[Any]:
         built.close()
 
 
+@contextmanager
+def _submit_store(database_url: str | None) -> Iterator[Any]:
+    """A store that admits Runs and nothing else, on its driver alone: a submit imports no
+    SQLAlchemy (ADR 0009). A SQLite file that is missing or of another schema version is opened
+    by the Standalone store, which creates, upgrades or refuses it."""
+    from bootstrap import producer
+
+    url = _database_url(database_url)
+    if url.startswith(SQLITE_URL_PREFIX):
+        store = producer.open_sqlite_submit_store(_sqlite_path(url))
+    else:
+        store = producer.open_postgres_submit_store(url)
+    try:
+        yield store
+    finally:
+        store.close()
+
+
 def _emit(as_json: bool, document: object, text: Callable[[], None]) -> None:
     if as_json:
         click.echo(json.dumps(document, sort_keys=True, default=str))
@@ -121,7 +139,23 @@ def _emit(as_json: bool, document: object, text: Callable[[], None]) -> None:
         text()
 
 
-@click.group()
+# The commands defined in modules of their own, imported only when named (or listed by --help),
+# so that a submit loads none of what they need (ADR 0009).
+@click.group(
+    cls=LazyGroup,
+    lazy={
+        "serve": "adapters.cli.node_cmds:serve",
+        "worker": "adapters.cli.node_cmds:worker",
+        "standalone": "adapters.cli.standalone_cmds:standalone_command",
+        "triggers": "adapters.cli.trigger_cmds:triggers",
+        "workflows": "adapters.cli.trigger_cmds:workflows",
+        "credentials": "adapters.cli.credential_cmds:credentials",
+        "doctor": "adapters.cli.ops_cmds:doctor_command",
+        "status": "adapters.cli.ops_cmds:status_command",
+        "workers": "adapters.cli.ops_cmds:workers_group",
+        "tasks": "adapters.cli.task_cmds:tasks",
+    },
+)
 def cli() -> None:
     """QL3 runtime: durable execution with safe recovery of lost work."""
 
@@ -136,7 +170,7 @@ def demo(short: bool, folder: str | None) -> None:
     run_demo(short=short or None, folder=folder)
 
 
-@cli.group()
+@cli.group(cls=LazyGroup, lazy={"grant-ingress": "adapters.cli.db_cmds:grant_ingress_command"})
 def db() -> None:
     """Database administration."""
 
@@ -151,8 +185,6 @@ def db_upgrade(database_url: str | None) -> None:
     upgrade(url)
     click.echo(f"database at revision {current_revision(url)}")
 
-
-db.add_command(db_cmds.grant_ingress_command)
 
 
 @cli.command()
@@ -251,8 +283,10 @@ def submit(
         delay_ms=delay_ms,
         run_after_ms=run_after_ms,
     )
-    with _producer(database_url) as producer:
-        admitted = producer.admission.admit_many([request])[0]
+    with _submit_store(database_url) as store:
+        from bootstrap.producer import submit as admit
+
+        admitted = admit(store, [request])[0]
     run_id = admitted.run_id
 
     def text() -> None:
@@ -283,7 +317,13 @@ def _submit_timing(delay: float | None, run_after: str | None) -> tuple[int | No
     return None, None
 
 
-@cli.group()
+@cli.group(
+    cls=LazyGroup,
+    lazy={
+        "quarantine": "adapters.cli.ops_cmds:quarantine_command",
+        "unquarantine": "adapters.cli.ops_cmds:unquarantine_command",
+    },
+)
 def runs() -> None:
     """Inspect runs; prune finished ones."""
 
@@ -503,32 +543,6 @@ def attempts_attest_stopped(attempt_id: str, reason: str, database_url: str | No
     with _cluster(database_url) as container:
         container.core.worker_commands().attest_stopped(attempt_id, reason)
     click.echo(f"attested: attempt {attempt_id} is not running")
-
-
-from adapters.cli import node_cmds  # noqa: E402  (commands defined in their own module)
-
-for _command in (node_cmds.serve, node_cmds.worker):
-    cli.add_command(_command)
-
-
-cli.add_command(standalone_cmds.standalone_command)
-
-from adapters.cli import trigger_cmds  # noqa: E402  (commands defined in their own module)
-
-cli.add_command(trigger_cmds.triggers)
-cli.add_command(trigger_cmds.workflows)
-
-from adapters.cli import credential_cmds  # noqa: E402  (commands defined in their own module)
-
-cli.add_command(credential_cmds.credentials)
-
-from adapters.cli import ops_cmds  # noqa: E402  (commands defined in their own module)
-
-ops_cmds.register(cli, runs)
-
-from adapters.cli import task_cmds  # noqa: E402  (commands defined in their own module)
-
-cli.add_command(task_cmds.tasks)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -212,11 +212,3 @@ def workers_list(database_url: str | None, as_json: bool) -> None:
         view = container.store().operations_view(HARD_PAGE_CAP)
     document = {"workers": [_session_dict(found) for found in view.sessions]}
     _emit(as_json, document, _session_lines(view) if view.sessions else ["no open sessions"])
-
-
-def register(cli: click.Group, runs: click.Group) -> None:
-    """Add these commands to the ``ql3`` command line."""
-    runs.add_command(quarantine_command)
-    runs.add_command(unquarantine_command)
-    for command in (doctor_command, status_command, workers_group):
-        cli.add_command(command)

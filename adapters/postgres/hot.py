@@ -44,6 +44,7 @@ from psycopg.types.json import Jsonb
 from sqlalchemy import JSON, Column, Table
 from sqlalchemy.dialects import postgresql
 
+from adapters.postgres.batch import ADDED, JsonRows, queues_a_run
 from adapters.postgres.queries import ADVISORY_LOCK_NAMESPACE, DISPATCH_CHANNEL
 from adapters.sql import rows
 from adapters.sql.schema import (
@@ -70,11 +71,6 @@ SESSION_PREFIX = "s_"
 GATE_PREFIX = "g_"
 
 _NOTIFY = f"pg_notify('{DISPATCH_CHANNEL}', '')"
-
-
-def queues_a_run(run: Run) -> bool:
-    """Whether a write leaving ``run`` like this gives claims something to take."""
-    return run.status in CLAIMABLE_RUN_STATUSES
 
 
 def _literal(status: Any) -> str:
@@ -709,26 +705,6 @@ def apply_many_sql() -> str:
     )
 
 
-class JsonRows:
-    """The rows of a batch statement, one list per table, and the row counts it expects;
-    :attr:`params` are the statement's parameters (one JSON document per table)."""
-
-    def __init__(self, names: Sequence[str]) -> None:
-        self.rows: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
-        self.expected: dict[str, int] = {f"w_{name}": 0 for name in names}
-        self.notify = False
-
-    @property
-    def params(self) -> dict[str, Any]:
-        params: dict[str, Any] = {name: Jsonb(items) for name, items in self.rows.items()}
-        params["notify"] = self.notify
-        return params
-
-    def add(self, name: str, row: dict[str, Any]) -> None:
-        self.rows[name].append(row)
-        self.expected[f"w_{name}"] += 1
-
-
 class ApplyMany(JsonRows):
     """The rows of :func:`apply_many_sql` for a batch."""
 
@@ -841,11 +817,8 @@ def apply_many_statement(writes: Sequence[tuple[Any, Any]]) -> ApplyMany:
 # statement of fixed shape, the rows as JSON documents (as for apply many). Inserts meet unique
 # indexes and checks, so the store runs it under a savepoint.
 
-_ADDED: tuple[tuple[str, Table], ...] = (
-    ("runs", runs),
-    ("attempts", run_attempts),
-    ("leases", run_dispatch_leases),
-    ("events", run_events),
+_ADDED: tuple[tuple[str, Table], ...] = tuple(
+    zip(ADDED, (runs, run_attempts, run_dispatch_leases, run_events), strict=True)
 )
 
 
@@ -862,18 +835,3 @@ def add_many_sql() -> str:
         f"(SELECT count(*) FROM (SELECT {_NOTIFY} WHERE %(notify)s::boolean) n) AS notified"
     )
     return "WITH " + ",\n".join(sources + writes) + f"\nSELECT {counts}, {notified}"
-
-
-def add_many_statement(changes: Sequence[Any]) -> JsonRows:
-    """The rows of :func:`add_many_sql` for newly admitted Runs (``Change`` values), in order."""
-    batch = JsonRows([name for name, _ in _ADDED])
-    for change in changes:
-        batch.add("runs", rows.run_values(change.run))
-        for attempt in change.attempts:
-            batch.add("attempts", rows.attempt_values(attempt))
-        if change.lease is not None:
-            batch.add("leases", rows.lease_values(change.lease))
-        batch.add("events", rows.event_values(change.event))
-        if queues_a_run(change.run):
-            batch.notify = True
-    return batch

@@ -35,6 +35,7 @@ from sqlalchemy.sql import Executable
 from adapters.postgres import hot, queries
 from adapters.postgres import triggers as trigger_pages
 from adapters.postgres import workflows as workflow_pages
+from adapters.postgres.batch import add_many_statement
 from adapters.postgres.engine import pooled_engine
 from adapters.postgres.queries import (
     ADVISORY_LOCK_NAMESPACE,
@@ -427,7 +428,7 @@ class PostgresRunRepository(SqlRunRepository[PostgresUnitOfWork]):
             return
         uow = self._uow
         uow.forget()
-        batch = hot.add_many_statement(changes)
+        batch = add_many_statement(changes)
         what = f"{len(changes)} admitted runs"
 
         def write() -> Any:
@@ -435,7 +436,7 @@ class PostgresRunRepository(SqlRunRepository[PostgresUnitOfWork]):
                 return uow.execute_sql(hot.add_many_sql(), batch.params, "add runs")[0]
 
         result = uow.atomically(write)
-        if any(int(result[name]) != count for name, count in batch.expected.items()):
+        if not batch.all_written(result):
             uow.break_transaction(f"{what} were not all written")
             raise ConcurrencyConflict(f"{what} were not all written")
 

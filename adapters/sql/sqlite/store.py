@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from types import TracebackType
@@ -69,6 +68,12 @@ from adapters.sql.repositories import (
 )
 from adapters.sql.schema import metadata
 from adapters.sql.sqlite import queries
+from adapters.sql.sqlite.connection import (
+    SCHEMA_VERSION,
+    UPGRADABLE_VERSIONS,
+    connection_pragmas,
+    host_now_ms,
+)
 from adapters.sql.sqlite.wake import poke, wake_path_for
 from adapters.sql.statements import ATTEMPT_COLUMNS, RUN_COLUMNS
 from adapters.sql.transaction import ConnectionTransaction
@@ -110,10 +115,6 @@ if TYPE_CHECKING:
 
 __all__ = ["SCHEMA_VERSION", "SchemaMismatch", "SqliteStore", "SqliteUnitOfWork"]
 
-# PRAGMA user_version of a database this store created; another value is refused, but for
-# UPGRADABLE_VERSION, which is upgraded in place.
-SCHEMA_VERSION = 4
-UPGRADABLE_VERSIONS = (1, 2, 3)
 MEMORY = ":memory:"
 BEGIN_OPTION = "ql3_sqlite_begin"
 
@@ -129,11 +130,11 @@ def _install_hooks(engine: Engine, *, busy_timeout_ms: int, synchronous: str, wa
         dbapi_connection.isolation_level = None
         cursor = dbapi_connection.cursor()
         try:
-            cursor.execute(f"PRAGMA busy_timeout = {busy_timeout_ms}")
-            cursor.execute("PRAGMA foreign_keys = ON")
-            if wal:
-                cursor.execute("PRAGMA journal_mode = WAL")
-            cursor.execute(f"PRAGMA synchronous = {synchronous}")
+            pragmas = connection_pragmas(
+                busy_timeout_ms=busy_timeout_ms, synchronous=synchronous, wal=wal
+            )
+            for pragma in pragmas:
+                cursor.execute(pragma)
         finally:
             cursor.close()
 
@@ -517,7 +518,7 @@ class SqliteStore:
     def now_ms(self) -> int:
         """The store's clock: this host's time plus the test offset, never going backwards."""
         with self._clock_lock:
-            now = time.time_ns() // 1_000_000 + self._clock_offset_ms
+            now = host_now_ms() + self._clock_offset_ms
             self._last_now_ms = max(self._last_now_ms, now)
             return self._last_now_ms
 

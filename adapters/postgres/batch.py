@@ -1,0 +1,64 @@
+"""The rows of the store's batch statements (:mod:`adapters.postgres.hot`): one JSON document
+per table, and the row counts each statement must report.
+
+Nothing here needs SQLAlchemy: ``ql3 submit`` admits through the driver alone
+(:mod:`adapters.postgres.submit`) with the same rows and the same checks as the store."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from psycopg.types.json import Jsonb
+
+from adapters.sql import rows
+from domain.model import Run
+from domain.states import CLAIMABLE_RUN_STATUSES
+from domain.transitions import Change
+
+# The documents of an admission (``add_many_sql``), one per table written, in that order.
+ADDED = ("runs", "attempts", "leases", "events")
+
+
+def queues_a_run(run: Run) -> bool:
+    """Whether a write leaving ``run`` like this gives claims something to take."""
+    return run.status in CLAIMABLE_RUN_STATUSES
+
+
+class JsonRows:
+    """The rows of a batch statement, one list per table, and the row counts it expects;
+    :attr:`params` are the statement's parameters (one JSON document per table)."""
+
+    def __init__(self, names: Sequence[str]) -> None:
+        self.rows: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+        self.expected: dict[str, int] = {f"w_{name}": 0 for name in names}
+        self.notify = False
+
+    @property
+    def params(self) -> dict[str, Any]:
+        params: dict[str, Any] = {name: Jsonb(items) for name, items in self.rows.items()}
+        params["notify"] = self.notify
+        return params
+
+    def add(self, name: str, row: dict[str, Any]) -> None:
+        self.rows[name].append(row)
+        self.expected[f"w_{name}"] += 1
+
+    def all_written(self, result: Mapping[str, Any]) -> bool:
+        """Whether the statement's counts (``w_<name>``) are the rows it was given."""
+        return all(int(result[name]) == count for name, count in self.expected.items())
+
+
+def add_many_statement(changes: Sequence[Change]) -> JsonRows:
+    """The rows of ``add_many_sql`` for newly admitted Runs, in order."""
+    batch = JsonRows(ADDED)
+    for change in changes:
+        batch.add("runs", rows.run_values(change.run))
+        for attempt in change.attempts:
+            batch.add("attempts", rows.attempt_values(attempt))
+        if change.lease is not None:
+            batch.add("leases", rows.lease_values(change.lease))
+        batch.add("events", rows.event_values(change.event))
+        if queues_a_run(change.run):
+            batch.notify = True
+    return batch

@@ -1,0 +1,28 @@
+"""What every connection to a QL3 SQLite database shares, with or without SQLAlchemy: the schema
+version the store keeps in ``PRAGMA user_version``, the settings of a new connection and the
+host clock. The store (:mod:`adapters.sql.sqlite.store`) and the submit-only store
+(:mod:`adapters.sql.sqlite.submit`) both take them from here."""
+
+from __future__ import annotations
+
+import time
+
+# PRAGMA user_version of a database the store created; another value is refused, but for
+# UPGRADABLE_VERSIONS, which are upgraded in place.
+SCHEMA_VERSION = 4
+UPGRADABLE_VERSIONS = (1, 2, 3)
+
+
+def connection_pragmas(*, busy_timeout_ms: int, synchronous: str, wal: bool) -> list[str]:
+    """The statements a new connection runs first (the driver opens no transaction by itself:
+    the connection's user sends ``BEGIN``)."""
+    pragmas = [f"PRAGMA busy_timeout = {busy_timeout_ms}", "PRAGMA foreign_keys = ON"]
+    if wal:
+        pragmas.append("PRAGMA journal_mode = WAL")
+    pragmas.append(f"PRAGMA synchronous = {synchronous}")
+    return pragmas
+
+
+def host_now_ms() -> int:
+    """This host's clock in epoch milliseconds: the store's clock before its test offset."""
+    return time.time_ns() // 1_000_000
