@@ -1,8 +1,12 @@
-"""Page budgets shared by every bounded step."""
+"""Page budgets shared by every bounded step, and the batch budget of a prune (ADR 0016)."""
 
 from __future__ import annotations
 
 from application.ports import DEFAULT_PAGE_SIZE, HARD_PAGE_CAP
+
+# Runs a prune deletes per transaction (application.history).
+DEFAULT_BATCH_SIZE = 500
+MAX_BATCH_SIZE = 10_000
 
 
 class InvalidPageSize(ValueError):

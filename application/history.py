@@ -14,12 +14,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from application.budgets import DEFAULT_BATCH_SIZE, MAX_BATCH_SIZE
 from application.ports import PrunedRows, PruneMark, SchedulerUnitOfWorkFactory
 from domain.history import batch_take, finished_before
 from domain.model import JsonValue
-
-DEFAULT_BATCH_SIZE = 500
-MAX_BATCH_SIZE = 10_000
 
 _UNITS_MS = {"d": 86_400_000, "h": 3_600_000, "m": 60_000, "s": 1_000}
 _DURATION = re.compile(r"(\d{1,9})([dhms])")

@@ -16,14 +16,7 @@ import click
 
 from adapters.cli.lazy import LazyGroup
 from application.admission import AdmissionRequest, UnknownRun
-from application.budgets import InvalidPageSize
-from application.history import (
-    DEFAULT_BATCH_SIZE,
-    MAX_BATCH_SIZE,
-    HistoryPruning,
-    InvalidDuration,
-    parse_duration,
-)
+from application.budgets import DEFAULT_BATCH_SIZE, MAX_BATCH_SIZE, InvalidPageSize
 from application.lookups import UnknownAttempt
 from domain.errors import ConcurrencyConflict, DomainError
 from domain.model import MAX_PRIORITY, MAX_TIMEOUT_MS, MIN_PRIORITY, RunStatus
@@ -435,6 +428,8 @@ def runs_prune(
     """Delete finished runs (succeeded, failed, cancelled) whose last change is older than
     DURATION, with their attempts, leases, events and every row that references them, in
     short transactions of at most --batch-size runs (ADR 0016). Made for cron."""
+    from application.history import HistoryPruning, InvalidDuration, parse_duration
+
     try:
         older_than_ms = parse_duration(finished_before)
     except InvalidDuration as error:

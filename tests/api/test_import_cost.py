@@ -1,4 +1,5 @@
-"""Submitting loads no web framework and no dependency-injector container (ADR 0009)."""
+"""Submitting loads no web framework and no dependency-injector container; ``ql3 submit`` loads
+no SQLAlchemy either, nor what the other commands need (ADR 0009)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,33 @@ import sys
 from pathlib import Path
 
 HEAVY = ("fastapi", "starlette", "uvicorn", "pydantic", "dependency_injector", "psycopg")
+# What ``ql3 submit`` does without: the stores' SQL toolkit and migrations, the other commands
+# and what only they use (the worker, the ingress, triggers, workflows, credentials, metrics).
+SUBMIT_HEAVY = (
+    *HEAVY,
+    "sqlalchemy",
+    "alembic",
+    "adapters.sql.schema",
+    "adapters.postgres.hot",
+    "adapters.postgres.store",
+    "adapters.sql.sqlite.store",
+    "adapters.cli.node_cmds",
+    "adapters.cli.standalone_cmds",
+    "adapters.cli.trigger_cmds",
+    "adapters.cli.credential_cmds",
+    "adapters.cli.ops_cmds",
+    "adapters.cli.task_cmds",
+    "adapters.worker",
+    "application.worker_commands",
+    "application.queries",
+    "domain.credentials",
+    "domain.triggers",
+    "domain.workflows",
+    "croniter",
+    "httpx",
+    "prometheus_client",
+    "rich",
+)
 
 PROBE = """
 import json, sys
@@ -16,22 +44,42 @@ print(json.dumps(sorted(m for m in {heavy!r} if m in sys.modules)))
 """
 
 
-def _loaded(body: str) -> list[str]:
-    script = PROBE.format(body=body, heavy=HEAVY)
+def _loaded(body: str, heavy: tuple[str, ...] = HEAVY) -> list[str]:
+    script = PROBE.format(body=body, heavy=heavy)
     out = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=60
     ).stdout
     return list(json.loads(out.splitlines()[-1]))
 
 
-def test_a_cli_submit_on_sqlite_loads_none_of_them(tmp_path: Path) -> None:
-    database = tmp_path / "cli.db"
-    body = (
+def _cli_submit(url: str) -> str:
+    return (
         "from adapters.cli.main import main\n"
-        f"assert main(['submit', 'echo', '--input', '[1]', '--database-url', "
-        f"'sqlite:///{database}']) == 0"
+        f"assert main(['submit', 'echo', '--input', '[1]', '--unique-key', 'k', '--json', "
+        f"'--database-url', {url!r}]) == 0"
     )
-    assert _loaded(body) == []
+
+
+def test_a_cli_submit_creating_a_sqlite_database_loads_none_of_them(tmp_path: Path) -> None:
+    # The Standalone store creates the schema, with SQLAlchemy.
+    assert _loaded(_cli_submit(f"sqlite:///{tmp_path / 'cli.db'}")) == []
+
+
+def test_a_cli_submit_into_a_sqlite_database_loads_no_sqlalchemy(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'cli.db'}"
+    subprocess.run(
+        [sys.executable, "-m", "adapters.cli.main", "submit", "first", "--database-url", url],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
+    assert _loaded(_cli_submit(url), SUBMIT_HEAVY) == []
+
+
+def test_a_cli_submit_on_postgres_loads_only_the_driver(pg_database_url: str) -> None:
+    heavy = tuple(name for name in SUBMIT_HEAVY if name != "psycopg")
+    assert _loaded(_cli_submit(pg_database_url), heavy) == []
+    assert _loaded(_cli_submit(pg_database_url), ("psycopg",)) == ["psycopg"]
 
 
 def test_the_api_submits_and_reads_without_them(tmp_path: Path) -> None:
