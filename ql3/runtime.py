@@ -24,8 +24,8 @@ from application.admission import (
     delay_ms,
     epoch_ms,
 )
+from application.budgets import DEFAULT_BATCH_SIZE
 from application.history import (
-    DEFAULT_BATCH_SIZE,
     HistoryPruning,
     InvalidDuration,
     PruneReport,
