@@ -3,7 +3,7 @@ VENV = .venv
 PYTEST_ARGS ?=
 
 .PHONY: venv test demo clean bench-recovery bench-idle bench-recover-time bench-throughput \
-	bench-latency bench-standalone bench-chaos
+	bench-latency bench-standalone bench-submit bench-chaos
 
 venv: $(VENV)/.installed
 
@@ -49,6 +49,9 @@ bench-latency: venv
 
 bench-standalone: venv
 	$(VENV)/bin/python -m benchmarks standalone
+
+bench-submit: venv
+	$(VENV)/bin/python -m benchmarks submit
 
 bench-chaos: venv
 	$(VENV)/bin/python -m benchmarks chaos

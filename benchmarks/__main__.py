@@ -1,4 +1,5 @@
-"""``python -m benchmarks <recovery|idle|recover-time|throughput|latency|standalone|chaos> ...``."""
+"""``python -m benchmarks <recovery|idle|recover-time|throughput|latency|standalone|submit|chaos>
+...``."""
 
 from __future__ import annotations
 
@@ -22,6 +23,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "standalone": (
         "standalone",
         "no-op runs through ql3 standalone on SQLite vs Huey's SqliteHuey",
+    ),
+    "submit": (
+        "submit",
+        "wall time of one ql3 submit process on PostgreSQL and SQLite vs python and psql start-up",
     ),
     "chaos": (
         "chaos",

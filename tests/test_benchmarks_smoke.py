@@ -270,6 +270,35 @@ def test_latency_benchmark_reports_idle_and_load_percentiles_against_pgqueuer(
     _assert_no_databases_left(pg_server, before)
 
 
+def test_submit_benchmark_times_cli_submits_beside_python_and_psql(
+    pg_server: PostgresServer,
+) -> None:
+    before = _bench_databases(pg_server)
+    done = _run(["submit", "--rounds", "2", "--json"], pg_server.admin_url)
+    result = _last_json(done)
+    _positive_numbers(
+        result,
+        (
+            "python_start_median_s",
+            "postgres_submit_median_s",
+            "postgres_submit_cpu_median_s",
+            "sqlite_submit_median_s",
+            "sqlite_submit_cpu_median_s",
+            "postgres_submit_vs_python_start",
+            "sqlite_submit_vs_python_start",
+        ),
+    )
+    assert (result["rounds"], result["target_s"]) == (2, 0.3)
+    for name in ("postgres_submit", "sqlite_submit"):
+        wall = _number(result, f"{name}_median_s")
+        start = _number(result, "python_start_median_s")
+        assert _number(result, f"{name}_vs_python_start") == pytest.approx(wall / start, rel=0.02)
+        assert result[f"{name}_meets_target"] is (wall <= 0.3)
+    table = done.stdout.strip().splitlines()[:-1]
+    assert any(line.startswith("postgres_submit_median_s") for line in table), done.stdout
+    _assert_no_databases_left(pg_server, before)
+
+
 def test_standalone_benchmark_reports_sqlite_throughput_against_huey() -> None:
     done = _run(["standalone", "--runs", "20", "--rounds", "1", "--json"], admin_url=None)
     result = _last_json(done)
@@ -383,6 +412,7 @@ def test_chaos_benchmark_kills_a_ql3_worker_and_loses_nothing() -> None:
         ["latency", "--seconds", "soon"],
         ["standalone", "--runs", "many"],
         ["standalone", "--rounds", "21"],
+        ["submit", "--rounds", "0"],
         ["chaos", "--phases", "earthquake"],
         ["chaos", "--systems", "ql3,celery"],
         ["chaos", "--phase-seconds", "0"],
