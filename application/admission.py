@@ -7,17 +7,20 @@ import datetime as dt
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from application.ports import (
-    AdmissionUnitOfWork,
-    AdmissionUnitOfWorkFactory,
-    Identities,
-    UnitOfWorkFactory,
-)
 from domain.errors import ConcurrencyConflict, InvalidAdmission
 from domain.model import JsonValue, RunOwner, RunStatus
 from domain.policy import RetryPolicy
 from domain.transitions import Change, admit, cancel, due_time
+
+if TYPE_CHECKING:
+    from application.ports import (
+        AdmissionUnitOfWork,
+        AdmissionUnitOfWorkFactory,
+        Identities,
+        UnitOfWorkFactory,
+    )
 
 MAX_BATCH = 10_000
 # How often one admission reads the unique keys again after another transaction took one of

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from application.ports import DEFAULT_PAGE_SIZE, HARD_PAGE_CAP
+# The largest page any bounded step reads, and the page a step reads when not told.
+HARD_PAGE_CAP = 64
+DEFAULT_PAGE_SIZE = 16
 
 # Runs a prune deletes per transaction (application.history).
 DEFAULT_BATCH_SIZE = 500

@@ -13,6 +13,10 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
+# The page budgets are the ports' too (every page a port reads is bounded by them).
+from application.budgets import DEFAULT_PAGE_SIZE as DEFAULT_PAGE_SIZE
+from application.budgets import HARD_PAGE_CAP as HARD_PAGE_CAP
+
 if TYPE_CHECKING:
     # Annotations only: a submit imports the ports without the domain's triggers, workflows
     # and credentials (ADR 0009).
@@ -31,9 +35,6 @@ if TYPE_CHECKING:
     from domain.transitions import Change
     from domain.triggers import FireSchedule, Trigger, TriggerFiring
     from domain.workflows import WorkflowStep
-
-HARD_PAGE_CAP = 64
-DEFAULT_PAGE_SIZE = 16
 
 T = TypeVar("T")
 

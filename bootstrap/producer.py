@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from application.admission import Admission, AdmissionRequest, Admitted, admit_requests
 from application.identities import RandomIdentities
-from application.ports import AdmissionUnitOfWork, SchedulerStore
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
+    from application.ports import AdmissionUnitOfWork, SchedulerStore
     from application.queries import RunQueries
 
 SQLITE_BUSY_TIMEOUT_S = 30.0

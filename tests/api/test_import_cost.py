@@ -26,6 +26,7 @@ SUBMIT_HEAVY = (
     "adapters.cli.ops_cmds",
     "adapters.cli.task_cmds",
     "adapters.worker",
+    "application.ports",
     "application.worker_commands",
     "application.queries",
     "domain.credentials",
