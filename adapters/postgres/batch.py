@@ -17,7 +17,7 @@ from domain.states import CLAIMABLE_RUN_STATUSES
 from domain.transitions import Change
 
 # The documents of an admission (``add_many_sql``), one per table written, in that order.
-ADDED = ("runs", "attempts", "leases", "events")
+ADDED = tuple(rows.ADMITTED_TABLES)
 
 
 def queues_a_run(run: Run) -> bool:
@@ -53,12 +53,8 @@ def add_many_statement(changes: Sequence[Change]) -> JsonRows:
     """The rows of ``add_many_sql`` for newly admitted Runs, in order."""
     batch = JsonRows(ADDED)
     for change in changes:
-        batch.add("runs", rows.run_values(change.run))
-        for attempt in change.attempts:
-            batch.add("attempts", rows.attempt_values(attempt))
-        if change.lease is not None:
-            batch.add("leases", rows.lease_values(change.lease))
-        batch.add("events", rows.event_values(change.event))
+        for name, values in rows.admitted_rows(change):
+            batch.add(name, values)
         if queues_a_run(change.run):
             batch.notify = True
     return batch

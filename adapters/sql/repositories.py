@@ -120,15 +120,9 @@ class SqlRunRepository(SqlRunReads[W]):
         return self._uow.write(statements.delete_task_limit(task), f"limit of task {task}") > 0
 
     def _insert(self, change: Change) -> None:
-        self._uow.write(statements.insert_run(change.run), f"run {change.run.id}")
-        for attempt in change.attempts:
-            self._uow.write(statements.insert_attempt(attempt), f"attempt {attempt.id}")
-        if change.lease is not None:
-            lease = change.lease
-            self._uow.write(
-                statements.insert_lease(lease), f"lease {lease.run_id}/{lease.generation}"
-            )
-        self._uow.write(statements.insert_event(change.event), f"event of run {change.run.id}")
+        for name, values in rows.admitted_rows(change):
+            what = f"{name} of run {change.run.id}"
+            self._uow.write(statements.insert_row(rows.ADMITTED_TABLES[name], values), what)
 
 
 class SqlSessionReads(Generic[R]):

@@ -9,8 +9,8 @@ converts them at the driver edge.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
 
 from domain.events import EventType, RunEvent
 from domain.model import (
@@ -31,8 +31,30 @@ from domain.model import (
 )
 from domain.policy import Backoff, RetryPolicy, Safety
 
+if TYPE_CHECKING:
+    from domain.transitions import Change
+
 Row = Mapping[Any, Any]
 Values = dict[str, Any]
+
+# The tables an admission writes, by the names its rows travel under, in the order written.
+ADMITTED_TABLES = {
+    "runs": "runs",
+    "attempts": "run_attempts",
+    "leases": "run_dispatch_leases",
+    "events": "run_events",
+}
+
+
+def admitted_rows(change: Change) -> Iterator[tuple[str, Values]]:
+    """The rows an admitted Run is written as, in order: the Run, its Attempts, its lease and
+    its event, each with the name of its table in :data:`ADMITTED_TABLES`."""
+    yield "runs", run_values(change.run)
+    for attempt in change.attempts:
+        yield "attempts", attempt_values(attempt)
+    if change.lease is not None:
+        yield "leases", lease_values(change.lease)
+    yield "events", event_values(change.event)
 
 
 def _field(row: Row, prefix: str, name: str) -> Any:

@@ -43,6 +43,7 @@ from adapters.sql.schema import (
     attempt_stop_reports,
     dispatch_gate,
     in_declared_order,
+    metadata,
     run_attempts,
     run_dispatch_leases,
     run_events,
@@ -172,8 +173,9 @@ def latest_attempt_of(run_id: str) -> Select:
 # --- writes: inserts ---------------------------------------------------------------------------
 
 
-def insert_run(run: Run) -> Insert:
-    return insert(runs).values(rows.run_values(run))
+def insert_row(table: str, values: rows.Values) -> Insert:
+    """One row into the schema's table named ``table``."""
+    return insert(metadata.tables[table]).values(values)
 
 
 def insert_attempt(attempt: Attempt) -> Insert:

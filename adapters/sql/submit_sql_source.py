@@ -17,8 +17,8 @@ from sqlalchemy.dialects import postgresql, sqlite
 
 from adapters.postgres import hot
 from adapters.postgres.queries import POSTGRES
-from adapters.sql import statements
-from adapters.sql.schema import run_attempts, run_dispatch_leases, run_events, runs
+from adapters.sql import rows, statements
+from adapters.sql.schema import metadata
 from adapters.sql.sqlite.queries import SQLITE
 from adapters.sql.statements import Spelling
 
@@ -26,11 +26,8 @@ TARGET = Path(__file__).with_name("submit_sql.py")
 # Stands for the keys of an unfinished_with_keys statement while it is compiled.
 _KEYS_MARK = "ql3-keys-mark"
 # The tables an admission writes, as the SQLite store inserts them (adapters.sql.repositories).
-_INSERTED: tuple[tuple[str, Table], ...] = (
-    ("runs", runs),
-    ("attempts", run_attempts),
-    ("leases", run_dispatch_leases),
-    ("events", run_events),
+_INSERTED: tuple[tuple[str, Table], ...] = tuple(
+    (name, metadata.tables[table]) for name, table in rows.ADMITTED_TABLES.items()
 )
 
 HEADER = '''"""The SQL of ``ql3 submit`` as text, so that a submit imports no SQLAlchemy (ADR 0009).

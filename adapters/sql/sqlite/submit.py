@@ -112,13 +112,7 @@ class SqliteSubmitRuns:
         order, under one savepoint."""
         if not changes:
             return
-        inserts: list[tuple[str, Mapping[str, Any]]] = []
-        for change in changes:
-            inserts.append(("runs", rows.run_values(change.run)))
-            inserts.extend(("attempts", rows.attempt_values(a)) for a in change.attempts)
-            if change.lease is not None:
-                inserts.append(("leases", rows.lease_values(change.lease)))
-            inserts.append(("events", rows.event_values(change.event)))
+        inserts = [row for change in changes for row in rows.admitted_rows(change)]
         self._uow.insert_all(inserts, f"{len(changes)} admitted runs")
 
 
