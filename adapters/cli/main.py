@@ -179,7 +179,6 @@ def db_upgrade(database_url: str | None) -> None:
     click.echo(f"database at revision {current_revision(url)}")
 
 
-
 @cli.command()
 @click.argument("task")
 @click.option("--input", "input_json", default="null", help="The run's JSON input.")
@@ -276,10 +275,10 @@ def submit(
         delay_ms=delay_ms,
         run_after_ms=run_after_ms,
     )
-    with _submit_store(database_url) as store:
-        from bootstrap.producer import submit as admit
+    from bootstrap.producer import submit as admit_on
 
-        admitted = admit(store, [request])[0]
+    with _submit_store(database_url) as store:
+        admitted = admit_on(store, [request])[0]
     run_id = admitted.run_id
 
     def text() -> None:

@@ -27,6 +27,7 @@ from domain.errors import ConcurrencyConflict
 from domain.model import RunOwner
 from domain.policy import Backoff, RetryPolicy, Safety
 from domain.transitions import Change, admit
+from tests.application.support import CountingIdentities
 
 NOW_MS = 1_790_000_000_123
 POLICY = RetryPolicy(
@@ -172,8 +173,7 @@ def test_on_sqlite_its_unique_keys_and_its_commit_are_the_stores(sqlite_path: Pa
     listener = WakeListener(str(sqlite_path) + ".wake")
     try:
         request = AdmissionRequest(task="t", unique_key="order-1")
-        ids = iter(f"id{n}" for n in range(10))
-        identities = type("Ids", (), {"new_id": lambda self: next(ids)})()
+        identities = CountingIdentities("sqlite-submit")
         (first,) = admit_requests(submit.unit_of_work, identities, [request])
         assert listener.drain() == 1  # the commit woke the executing process
         (again,) = admit_requests(submit.unit_of_work, identities, [request])
@@ -257,8 +257,7 @@ def test_on_postgres_its_admission_notifies_at_commit_and_answers_held_keys(
     pg_database_url: str,
 ) -> None:
     submit = PostgresSubmitStore(pg_database_url)
-    ids = iter(f"pg-notify-{n}" for n in range(10))
-    identities = type("Ids", (), {"new_id": lambda self: next(ids)})()
+    identities = CountingIdentities("pg-notify")
     request = AdmissionRequest(task="t", unique_key="pg-order-1")
     with psycopg.connect(libpq_url(pg_database_url), autocommit=True) as listener:
         listener.execute("LISTEN ql3_dispatch")
