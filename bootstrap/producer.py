@@ -1,11 +1,14 @@
 """The producer's composition root: a store with admission, cancellation and the run queries,
-for a process that submits and reads but runs no scheduler and no task (``ql3 submit``, an
-application's web process before it starts the runtime).
+for a process that submits and reads but runs no scheduler and no task (``ql3 runs cancel``,
+an application's web process before it starts the runtime); and :func:`submit` on a
+submit-only store, which admits and does nothing else, on its database driver alone (``ql3
+submit``).
 
 It is built without a dependency-injector container, so that importing it loads neither that
-library nor, through it, a web framework: a submit from the command line stays quick (ADR 0009).
-The profile's container (:mod:`bootstrap.cluster`, :mod:`bootstrap.standalone`) is built on the
-same store only when the application starts the runtime."""
+library nor, through it, a web framework; the submit-only stores load no SQLAlchemy either: a
+submit from the command line stays quick (ADR 0009). The profile's container
+(:mod:`bootstrap.cluster`, :mod:`bootstrap.standalone`) is built on the same store only when
+the application starts the runtime."""
 
 from __future__ import annotations
 
