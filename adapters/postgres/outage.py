@@ -38,6 +38,13 @@ WHERE l.status = 'leased'
   AND l.expires_at > outage.stopped_at
   AND l.expires_at <= outage.started_at
 """
+# Whether the server started since its last checkpoint (and the schema is there): only then is
+# there anything to resume, so every other new connection costs one small read.
+RESTARTED = """
+SELECT c.checkpoint_time < pg_postmaster_start_time()
+    AND to_regclass('run_dispatch_leases') IS NOT NULL
+FROM pg_control_checkpoint() AS c
+"""
 LOCK_TIMEOUT = "SET LOCAL lock_timeout = '2s'"
 
 
@@ -47,9 +54,13 @@ def resume_leases(dbapi_connection: Any) -> int:
     new connection tries again."""
     try:
         with dbapi_connection.cursor() as cursor:
-            cursor.execute(LOCK_TIMEOUT)
-            cursor.execute(RESUME_LEASES)
-            resumed = max(0, cursor.rowcount)
+            cursor.execute(RESTARTED)
+            row = cursor.fetchone()
+            resumed = 0
+            if row is not None and row[0]:
+                cursor.execute(LOCK_TIMEOUT)
+                cursor.execute(RESUME_LEASES)
+                resumed = max(0, cursor.rowcount)
         dbapi_connection.commit()
     except Exception as error:
         dbapi_connection.rollback()
