@@ -37,6 +37,7 @@ from adapters.postgres import triggers as trigger_pages
 from adapters.postgres import workflows as workflow_pages
 from adapters.postgres.batch import add_many_statement
 from adapters.postgres.engine import pooled_engine
+from adapters.postgres.outage import resume_leases_on_connect
 from adapters.postgres.queries import (
     ADVISORY_LOCK_NAMESPACE,
     DISPATCH_CHANNEL,
@@ -572,6 +573,7 @@ class PostgresStore:
             # parameter values, and skips planning on each execution.
             connect_args={"options": _with_generic_plans(driver_url)},
         )
+        resume_leases_on_connect(engine)
         return cls(engine)
 
     @property

@@ -3,7 +3,11 @@ worker's policy.
 
 A 4xx answer raises :class:`IngressRefused` at once, never repeated (the call changed nothing).
 A 5xx answer or a transport failure is repeated, with capped exponential backoff and jitter,
-for at most ``retry_budget_s``; then :class:`IngressUnavailable` is raised. Repeating is safe:
+for at most ``retry_budget_s``; then :class:`IngressUnavailable` is raised. A session's call
+answered ``503`` (the node is up, its database is not) is repeated for as long as the node keeps
+answering so: leases do not age while the database is down (ADR 0018), so what the worker holds
+is still its own when the database is back, and the worker's own lease deadlines still stop a
+task whose lease it could not renew. Repeating is safe:
 a repeated completion answers ``already_completed``, a repeated renewal renews, a repeated
 abandon or release finds the lease already settled, and a repeated claim carries the same
 ``held`` statement, which hands back whatever the lost answer had granted.
@@ -30,16 +34,19 @@ RETRY_INITIAL_S = 0.05  # the first pause before a call is repeated
 RETRY_CAP_S = 1.0  # the longest pause between two tries
 DEFAULT_RETRY_BUDGET_S = 30.0
 GIVE_UP_POLL_S = 0.05  # how often a pause between tries asks whether to give up
+STORE_UNAVAILABLE = 503  # the ingress's answer while its store is down
 
 
 class IngressUnavailable(Exception):
     """The ingress could not be reached or kept failing for the whole retry budget; nothing is
     known about the outcome, unless ``sent`` is false: then no request ever left (no
-    connection), and nothing changed."""
+    connection), and nothing changed. ``store_down``: the ingress answered that its store is
+    unavailable (503)."""
 
-    def __init__(self, message: str, *, sent: bool = True) -> None:
+    def __init__(self, message: str, *, sent: bool = True, store_down: bool = False) -> None:
         super().__init__(message)
         self.sent = sent
+        self.store_down = store_down
 
 
 class IngressRefused(Exception):
@@ -250,6 +257,8 @@ class IngressClient:
         self.retry_budget_s = retry_budget_s
         # Asked between tries: true stops the repeating (the worker is stopping).
         self.give_up: Callable[[], bool] = lambda: False
+        # A session's call answered 503 is repeated past the budget (false once stopping).
+        self.wait_for_store = True
         self._counter = threading.Lock()
         self._other_calls = 0
 
@@ -396,6 +405,7 @@ class IngressClient:
             payload,
             headers={"Authorization": f"Bearer {self._secret}"},
             timeout_s=timeout_s,
+            while_store_down=True,
         )
 
     def _post(
@@ -406,10 +416,12 @@ class IngressClient:
         headers: Mapping[str, str],
         timeout_s: float | None = None,
         budget_s: float | None = None,
+        while_store_down: bool = False,
     ) -> tuple[Any, _Tries]:
         """Send until answered: a 4xx raises at once; a 5xx or a transport failure is tried
         again after a pause (doubling up to :data:`RETRY_CAP_S`, each drawn between half and
-        all of it), the last try when the budget is spent."""
+        all of it), the last try when the budget is spent. ``while_store_down``: a 503 answer
+        does not spend the budget (the ingress is there; its store is not, for now)."""
         budget = self.retry_budget_s if budget_s is None else budget_s
         deadline = time.monotonic() + budget
         pause = RETRY_INITIAL_S
@@ -422,6 +434,8 @@ class IngressClient:
                 tries.sent = tries.sent or error.sent
                 tries.errors.append(str(error))
                 now = time.monotonic()
+                if while_store_down and error.store_down and self.wait_for_store:
+                    deadline = max(deadline, now + budget)
                 if now >= deadline or self.give_up():
                     raise IngressUnavailable(
                         f"the ingress did not answer {path.rsplit('/', 1)[-1]} within "
@@ -448,7 +462,10 @@ class IngressClient:
         except httpx.HTTPError as error:
             raise IngressUnavailable(f"{type(error).__name__}: {error}") from None
         if response.status_code >= 500:
-            raise IngressUnavailable(f"ingress answered {response.status_code}")
+            raise IngressUnavailable(
+                f"ingress answered {response.status_code}",
+                store_down=response.status_code == STORE_UNAVAILABLE,
+            )
         try:
             body = response.json()
         except ValueError:

@@ -24,7 +24,8 @@ reported, the session closed.
 
 A call the ingress does not answer is repeated by the client for a bounded time (the lease TTL,
 at least 5 s, see :class:`~.settings.Timings`); past it, or when the session is gone, the
-worker stops and :meth:`Worker.run` raises :class:`WorkerFailed`."""
+worker stops and :meth:`Worker.run` raises :class:`WorkerFailed`. While the ingress answers
+that its database is down (503), the worker waits for it, however long (ADR 0018)."""
 
 from __future__ import annotations
 
@@ -260,6 +261,7 @@ class Worker:
         ledger = self.ledger
         ledger.set_mode(Mode.STOPPING)
         self._client.retry_budget_s = min(self._client.retry_budget_s, FINAL_BUDGET_S)
+        self._client.wait_for_store = False
         kill_tasks(ledger.stop_running(f"the worker was {why}", "worker_stopped"), why)
         deadline = time.monotonic() + min(5.0, max(1.0, timings.ttl_s))
         with ledger.lock:

@@ -29,8 +29,9 @@ class WorkerSettings:
     poll_interval_s: float | None = None
     request_timeout_s: float = 5.0
     register_timeout_s: float = 30.0
-    # How long a call keeps being repeated while the ingress does not answer (or answers 5xx)
-    # before the worker gives up and exits; None: the lease TTL, at least 5 s.
+    # How long a call keeps being repeated while the ingress does not answer (or answers 5xx
+    # other than a session call's 503, which is repeated until the database is back) before
+    # the worker gives up and exits; None: the lease TTL, at least 5 s.
     give_up_s: float | None = None
     registration_token: str | None = None
     # PEM file of the certificate authorities an https:// ingress is verified against; None:

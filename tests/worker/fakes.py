@@ -91,6 +91,7 @@ class FakeNode:
         self.calls: list[tuple[str, Any]] = []
         self.claims: list[ClaimRecord] = []
         self.unavailable: set[str] = set()  # commands answered 503 (``*``: every one)
+        self.unavailable_status = 503  # 503: the store is down; 502: no node behind a proxy
         # Called with (command, request body, answer body) before a call is answered; it may
         # raise (an httpx error drops the answer: the call happened, the worker never hears).
         self.before_answer: Callable[[str, Any, Any], None] | None = None
@@ -152,7 +153,9 @@ class FakeNode:
         with self.cond:
             self.calls.append((command, body))
             if command in self.unavailable or "*" in self.unavailable:
-                return httpx.Response(503, json={"error": "unavailable", "message": "down"})
+                return httpx.Response(
+                    self.unavailable_status, json={"error": "unavailable", "message": "down"}
+                )
         if session_id is not None:
             session = self.sessions.get(session_id)
             if session is None:

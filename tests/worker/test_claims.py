@@ -274,6 +274,7 @@ def test_the_client_repeats_5xx_and_gives_up_after_its_budget() -> None:
     node = FakeNode()
     client = IngressClient(URL, transport=node.transport(), retry_budget_s=0.6)
     client.register("w1", 1, ["t.double"])
+    node.unavailable_status = 502
     node.unavailable.add("heartbeat")
     started = time.monotonic()
     with pytest.raises(IngressUnavailable, match=r"did not answer heartbeat within 0\.6 s"):
@@ -282,6 +283,26 @@ def test_the_client_repeats_5xx_and_gives_up_after_its_budget() -> None:
     assert len(node.commands("heartbeat")) >= 3
     node.unavailable.clear()
     assert client.heartbeat().status == "active"
+
+
+def test_the_client_waits_past_its_budget_while_the_ingress_says_its_store_is_down() -> None:
+    node = FakeNode()
+    client = IngressClient(URL, transport=node.transport(), retry_budget_s=0.3)
+    client.register("w1", 1, ["t.double"])
+    node.unavailable.add("heartbeat")  # 503: the node is there, its database is not
+    back = threading.Timer(1.2, node.unavailable.clear)
+    back.start()
+    started = time.monotonic()
+    try:
+        assert client.heartbeat().status == "active"
+    finally:
+        back.cancel()
+    assert time.monotonic() - started >= 1.2  # four budgets and more: still waiting
+    # Once the worker stops it no longer waits for the store.
+    client.wait_for_store = False
+    node.unavailable.add("heartbeat")
+    with pytest.raises(IngressUnavailable, match=r"did not answer heartbeat within 0\.3 s"):
+        client.heartbeat()
 
 
 def test_the_client_never_repeats_a_4xx() -> None:
@@ -299,10 +320,26 @@ def test_a_worker_whose_ingress_stays_away_fails_after_the_give_up_time() -> Non
     node, children = FakeNode(lease_ttl_ms=1000), FakeChildren()
     worker = _start(node, children, concurrency=1, give_up_s=0.8, poll_interval_s=0.2)
     node.wait_for(lambda: len(node.claims) >= 1)
+    node.unavailable_status = 502
     node.unavailable.add("*")
     result = worker.join(timeout=10)
     assert isinstance(result, WorkerFailed)
     assert "cannot reach the ingress" in str(result)
+
+
+def test_a_worker_rides_out_a_database_outage_and_completes_what_finished_meanwhile() -> None:
+    node, children = FakeNode(lease_ttl_ms=6000), FakeChildren()
+    sleeper = node.submit("t.sleep", {"seconds": 0.4})
+    worker = _start(node, children, concurrency=1, give_up_s=0.5, poll_interval_s=0.2)
+    node.wait_for(lambda: children.ran(sleeper) == 1)
+    node.unavailable.add("*")  # 503 from now on: the node is up, its database is not
+    time.sleep(1.6)  # the task ends meanwhile; three give-up times pass
+    assert worker.thread.is_alive() and worker.result is None
+    assert node.run(sleeper).status == "running"
+    node.unavailable.clear()
+    node.wait_for(lambda: node.run(sleeper).status == "succeeded")
+    assert node.items("abandon") == [] and node.items("release") == []
+    assert _drain(worker) == 0
 
 
 def test_a_refused_session_fails_the_worker_at_once() -> None:
