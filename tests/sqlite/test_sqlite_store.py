@@ -237,6 +237,43 @@ def test_claims_take_the_oldest_queued_first_and_respect_the_gate(store: SqliteS
     assert lock.capacity is not None and lock.capacity.in_flight == 1
 
 
+def test_a_claim_reads_each_part_of_its_candidates_from_its_own_index(
+    store: SqliteStore,
+) -> None:
+    """However deep the queue, a claim reads the never-changed Attempts from
+    ``ix_runs_claimable`` and the handed-back ones from ``ix_run_attempts_handed_back``: no
+    part walks the whole queue of its task."""
+    from adapters.sql.sqlite import hot
+
+    commands = _commands(store)
+    admission = Admission(store.unit_of_work, RandomIdentities())
+    oldest = admission.submit("t")
+    for _ in range(30):
+        admission.submit("t")
+    session = commands.register("w1", 1, ["t"])
+    (grant,) = commands.claim(session.session_id, session.secret, limit=1).grants
+    assert grant.run_id == oldest
+    commands.release_many(session.session_id, session.secret, [Release(fence=grant.fence)])
+    with store.unit_of_work() as uow:
+        plan = [
+            str(row[3])
+            for row in uow.connection.exec_driver_sql(
+                "EXPLAIN QUERY PLAN " + hot.claimable_sql(), {"task": "t", "limit": 1}
+            )
+        ]
+        lock = uow.runs.lock_for_claim(session.session_id, ["t"], 1)
+    assert any("USING INDEX ix_runs_claimable" in line for line in plan), plan
+    assert any("USING INDEX ix_run_attempts_handed_back" in line for line in plan), plan
+    assert not any(line.startswith("SCAN r") for line in plan), plan
+    # The handed-back Attempt is the oldest: it comes first, with its released lease.
+    (candidate,) = lock.candidates
+    assert candidate.run.id == oldest and candidate.attempt is not None
+    assert candidate.attempt.is_pristine
+    assert candidate.lease is not None and candidate.lease.generation == 1
+    (again,) = commands.claim(session.session_id, session.secret, limit=1).grants
+    assert (again.run_id, again.generation) == (oldest, 2)
+
+
 def test_a_missing_gate_row_reads_closed_and_is_written_anew(store: SqliteStore) -> None:
     with store.unit_of_work() as uow:
         uow.connection.exec_driver_sql("DELETE FROM dispatch_gate")
