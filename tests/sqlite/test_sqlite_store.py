@@ -274,6 +274,43 @@ def test_a_claim_reads_each_part_of_its_candidates_from_its_own_index(
     assert (again.run_id, again.generation) == (oldest, 2)
 
 
+def test_a_refused_batch_leaves_nothing_and_the_transaction_usable(store: SqliteStore) -> None:
+    """A batch one of whose items lost its race (its Attempt was claimed since it was read)
+    is refused as a whole, by count of the rows its compare-and-set touched; the transaction
+    goes on and commits what it writes next."""
+    from domain.errors import ConcurrencyConflict
+    from tests.contract.builders import (
+        claim_attempt,
+        given_queued,
+        given_session,
+        locked_attempt,
+    )
+    from tests.contract.test_run_repository import _claim_change
+
+    given_session(store, "s1")
+    given_session(store, "s2")
+    first, second = given_queued(store, "r1"), given_queued(store, "r2")
+    with store.unit_of_work() as uow:
+        stale = locked_attempt(uow, second)
+    with store.unit_of_work() as uow:
+        claim_attempt(uow, second, "s2")
+        uow.commit()
+    with store.unit_of_work() as uow:
+        fresh = locked_attempt(uow, first)
+        writes = [
+            (fresh, _claim_change(uow, fresh, "s1", "tokenr1")),
+            (stale, _claim_change(uow, stale, "s1", "tokenr2")),
+        ]
+        with pytest.raises(ConcurrencyConflict, match="changed since it was read"):
+            uow.runs.apply_many(writes)
+        assert uow.runs.leases_of("r1") == ()  # the first item's writes were undone
+        uow.runs.apply_many(writes[:1])
+        uow.commit()
+    with store.unit_of_work() as uow:
+        assert [x.holder_session_id for x in uow.runs.leases_of("r1")] == ["s1"]
+        assert [x.holder_session_id for x in uow.runs.leases_of("r2")] == ["s2"]
+
+
 def test_a_missing_gate_row_reads_closed_and_is_written_anew(store: SqliteStore) -> None:
     with store.unit_of_work() as uow:
         uow.connection.exec_driver_sql("DELETE FROM dispatch_gate")

@@ -235,6 +235,21 @@ class SqliteUnitOfWork(ConnectionTransaction):
         except sqlite3.Error as error:
             raise self._wrapped(error, label) from error
 
+    def driver_atomically(self, body: Callable[[], None]) -> None:
+        """``atomically`` for writes made with :meth:`execute_sql` and :meth:`execute_many`: a
+        savepoint of the driver's, without the Core path's bookkeeping of nested
+        transactions. A failing ``body`` leaves nothing behind and the transaction usable."""
+        driver = self._require_driver()
+        self.execute_sql("SAVEPOINT ql3_apply", (), "savepoint")
+        try:
+            body()
+        except BaseException:
+            if driver.in_transaction:
+                driver.execute("ROLLBACK TO ql3_apply")
+                driver.execute("RELEASE ql3_apply")
+            raise
+        self.execute_sql("RELEASE ql3_apply", (), "savepoint")
+
     def _require_driver(self) -> sqlite3.Connection:
         if self._driver is None:
             raise RuntimeError("use the unit of work inside its `with` block")
@@ -366,7 +381,7 @@ class SqliteRunRepository(SqlRunRepository[SqliteUnitOfWork]):
             return
         batch = hot.ApplyMany(writes)
         uow = self._uow
-        uow.atomically(lambda: _write(uow, batch))
+        uow.driver_atomically(lambda: _write(uow, batch))
         if batch.queues:
             uow.note_admission()
 
