@@ -24,7 +24,9 @@ DEFAULT_DATABASE = "ql3.sqlite"
 
 
 def _stamp(line: str) -> None:
-    click.echo(time.strftime("%H:%M:%S ") + line)
+    # Two lines per Run on a busy process: a plain write, without click.echo's look at the
+    # stream on every line (the lines hold no ANSI codes to strip).
+    print(time.strftime("%H:%M:%S ") + line, flush=True)
 
 
 def _json_line(line: str) -> None:
