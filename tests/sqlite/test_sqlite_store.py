@@ -41,6 +41,24 @@ def test_the_database_uses_the_write_ahead_log_and_enforces_foreign_keys(
     assert _pragma(store, "busy_timeout") == 30_000
 
 
+def test_a_write_lock_not_had_in_time_is_sqlalchemy_s_operational_error(tmp_path: Path) -> None:
+    """The driver's error at BEGIN is wrapped as on the Core path, and the connection is good
+    for the next unit of work."""
+    from sqlalchemy.exc import OperationalError
+
+    path = tmp_path / "ql3.sqlite"
+    SqliteStore(path).close()
+    other = sqlite3.connect(path, isolation_level=None)
+    other.execute("BEGIN IMMEDIATE")
+    store = SqliteStore(path, busy_timeout_s=0.05)
+    with pytest.raises(OperationalError, match="database is locked"), store.unit_of_work():
+        pass
+    other.execute("ROLLBACK")
+    other.close()
+    Admission(store.unit_of_work, RandomIdentities()).submit("t")
+    store.close()
+
+
 def test_every_at_most_one_rule_is_a_partial_unique_index(store: SqliteStore) -> None:
     with store.unit_of_work() as uow:
         found = dict(

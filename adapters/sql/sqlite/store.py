@@ -141,7 +141,21 @@ def _install_hooks(engine: Engine, *, busy_timeout_ms: int, synchronous: str, wa
     @event.listens_for(engine, "begin")
     def on_begin(connection: Connection) -> None:
         mode = connection.get_execution_options().get(BEGIN_OPTION, "IMMEDIATE")
-        connection.exec_driver_sql(f"BEGIN {mode}")
+        # Straight on the driver (every unit of work begins here), its errors wrapped as the
+        # Core path wraps them.
+        driver = connection.connection.driver_connection
+        assert driver is not None
+        try:
+            driver.execute(f"BEGIN {mode}")
+        except sqlite3.Error as error:
+            raise DBAPIError.instance(
+                f"BEGIN {mode}",
+                None,
+                error,
+                sqlite3.Error,
+                hide_parameters=True,
+                dialect=connection.dialect,
+            ) from error
 
 
 # --- unit of work ------------------------------------------------------------------------------
