@@ -64,7 +64,7 @@ def renew_lease(before: DispatchLease, after: DispatchLease, now_ms: int) -> Upd
 # Every page query reads ``limit + 1`` rows to learn ``has_more``.
 
 
-def recovery_candidates_query(limit: int, now_ms: int) -> Select:
+def recovery_candidates_query(limit: int, now_ms: ColumnElement[int] | int) -> Select:
     """Runtime-owned, non-pristine claimed|starting|running Attempts of dispatching|running|lost
     Runs whose own lease is missing, released or expired; resolvable ones first."""
     return statements.recovery_page(limit, now_ms, SQLITE)
@@ -92,7 +92,7 @@ def lost_runs_query(limit: int) -> Select:
     )
 
 
-def due_retries_query(limit: int, now_ms: int) -> Select:
+def due_retries_query(limit: int, now_ms: ColumnElement[int] | int) -> Select:
     """Runtime-owned ``retry_wait`` Runs whose next_attempt_at the store's clock reached."""
     return _run_page(
         where=[

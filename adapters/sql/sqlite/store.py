@@ -44,6 +44,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from functools import lru_cache
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -52,6 +53,7 @@ from sqlalchemy import (
     ColumnElement,
     Connection,
     Engine,
+    bindparam,
     create_engine,
     event,
     literal,
@@ -656,15 +658,15 @@ class SqliteStore:
 
     # candidate sources: one statement each, in its own read transaction
 
-    def _page_rows(self, statement_for: Callable[[int], Executable]) -> tuple[int, list[Any]]:
+    def _page_rows(self, statement: Executable) -> tuple[int, list[Any]]:
         with self._transaction(read_only=True) as connection:
             now = self.now_ms()
-            found = list(connection.execute(statement_for(now)).mappings().all())
+            found = list(connection.execute(statement, {NOW: now}).mappings().all())
         return now, found
 
     def recovery_candidates(self, limit: int) -> Page[RecoveryCandidate]:
         check_page_limit(limit)
-        now, found = self._page_rows(lambda now: queries.recovery_candidates_query(limit, now))
+        now, found = self._page_rows(_page("recovery", limit))
         items = tuple(
             RecoveryCandidate(
                 run_id=row["run_id"],
@@ -679,10 +681,8 @@ class SqliteStore:
         )
         return Page(items=items[:limit], has_more=len(items) > limit, observed_at_ms=now)
 
-    def _run_page(
-        self, statement_for: Callable[[int], Executable], limit: int
-    ) -> Page[RunCandidate]:
-        now, found = self._page_rows(statement_for)
+    def _run_page(self, statement: Executable, limit: int) -> Page[RunCandidate]:
+        now, found = self._page_rows(statement)
         items = tuple(
             RunCandidate(
                 run_id=row["run_id"],
@@ -695,15 +695,15 @@ class SqliteStore:
 
     def lost_runs(self, limit: int) -> Page[RunCandidate]:
         check_page_limit(limit)
-        return self._run_page(lambda _now: queries.lost_runs_query(limit), limit)
+        return self._run_page(_page("lost", limit), limit)
 
     def due_retries(self, limit: int) -> Page[RunCandidate]:
         check_page_limit(limit)
-        return self._run_page(lambda now: queries.due_retries_query(limit, now), limit)
+        return self._run_page(_page("due_retries", limit), limit)
 
     def orphaned_runs(self, limit: int) -> Page[RunCandidate]:
         check_page_limit(limit)
-        return self._run_page(lambda _now: queries.orphaned_runs_query(limit), limit)
+        return self._run_page(_page("orphaned", limit), limit)
 
     def dispatch_gate(self) -> DispatchGate:
         with self._transaction(read_only=True) as connection:
@@ -712,7 +712,7 @@ class SqliteStore:
 
     def due_triggers(self, limit: int) -> Page[DueTrigger]:
         check_page_limit(limit)
-        now, found = self._page_rows(lambda now: due_triggers_query(limit, _clock(now)))
+        now, found = self._page_rows(_page("due_triggers", limit))
         items = tuple(
             DueTrigger(trigger_id=row["trigger_id"], next_fire_at_ms=int(row["next_fire_at"]))
             for row in found
@@ -722,7 +722,7 @@ class SqliteStore:
 
     def workflow_candidates(self, limit: int) -> Page[RunCandidate]:
         check_page_limit(limit)
-        now, found = self._page_rows(lambda now: workflow_candidates_query(limit, _clock(now)))
+        now, found = self._page_rows(_page("workflows", limit))
         items = tuple(
             RunCandidate(run_id=row["run_id"], attempt_id=None, since_ms=int(row["since"]))
             for row in found
@@ -755,10 +755,7 @@ class SqliteStore:
     def next_due_at_ms(self) -> int | None:
         """The earliest time a ``retry_wait`` Run or an active trigger becomes due, if any."""
         with self._transaction(read_only=True) as connection:
-            found = [
-                connection.execute(statement).scalar()
-                for statement in (queries.next_retry_at_query(), queries.next_trigger_at_query())
-            ]
+            found = [connection.execute(statement).scalar() for statement in _due_times()]
         times = [int(value) for value in found if value is not None]
         return min(times) if times else None
 
@@ -858,6 +855,32 @@ def renew_claimable_index(connection: Connection) -> None:
     an older declaration is dropped first, since it keeps the name."""
     connection.exec_driver_sql("DROP INDEX IF EXISTS ix_runs_claimable")
     _create_missing_indexes(connection)
+
+
+NOW = "ql3_now"
+_NOW = bindparam(NOW, type_=BigInteger())
+
+
+@lru_cache(maxsize=64)
+def _page(kind: str, limit: int) -> Executable:
+    """A candidate page's statement, built once per kind and page size, the store's clock bound
+    as the parameter :data:`NOW` when it is run: building one of these costs several times
+    what running it does, and the cadence runs them several times a second while work flows."""
+    builders: dict[str, Callable[[], Executable]] = {
+        "recovery": lambda: queries.recovery_candidates_query(limit, _NOW),
+        "lost": lambda: queries.lost_runs_query(limit),
+        "due_retries": lambda: queries.due_retries_query(limit, _NOW),
+        "orphaned": lambda: queries.orphaned_runs_query(limit),
+        "due_triggers": lambda: due_triggers_query(limit, _NOW),
+        "workflows": lambda: workflow_candidates_query(limit, _NOW),
+    }
+    return builders[kind]()
+
+
+@lru_cache(maxsize=1)
+def _due_times() -> tuple[Executable, Executable]:
+    """What an idle process may sleep until, built once (the loop asks after every cycle)."""
+    return queries.next_retry_at_query(), queries.next_trigger_at_query()
 
 
 def _clock(now_ms: int) -> ColumnElement[int]:
