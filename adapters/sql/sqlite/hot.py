@@ -1,5 +1,5 @@
 """Plain SQL for the SQLite store's hot paths: locking Attempts, a claim's reads and applying a
-batch of Changes (ADR 0006, decision 4, on SQLite).
+batch of Changes, as ADR 0006 does for PostgreSQL (decisions 3 and 4).
 
 Every worker command, every claim and every startup-recovery candidate goes through these. Built
 as SQLAlchemy Core statements they cost several times the CPU SQLite spends on them (statement
