@@ -20,6 +20,9 @@ workers (``python -m benchmarks.standalone``: what ``huey_consumer -w 4 -k threa
 every other setting at its default) and polls the file read-only until every result is there ->
 ``huey_worked_per_s = runs / (all results - process spawned)``.
 
+CPU: ``cpu_ms_per_run`` and ``huey_cpu_ms_per_run`` are each child's user+sys time (from
+``/proc``, read once the last run is done, so start-up included) per run, medians.
+
 Durability: ``durability`` and ``huey_durability`` are the ``PRAGMA synchronous`` and
 ``PRAGMA journal_mode`` of each side's own connection, read through the QL3 Standalone store
 (built with the bootstrap's defaults, as the child builds it) and through ``SqliteHuey``'s
@@ -51,7 +54,7 @@ from benchmarks.common import (
     print_table,
     say,
 )
-from benchmarks.processes import Process, Processes
+from benchmarks.processes import Process, Processes, cpu_seconds
 from benchmarks.tasks import APP_SPEC, NOOP, huey_noop
 
 TARGET_RATIO = 1.0
@@ -129,6 +132,8 @@ def work_until(
     return {
         "work_s": now - process.started_at,
         "startup_s": (ready_at if ready_at is not None else now) - process.started_at,
+        # user+sys of the process from its spawn to the last run done (read before it stops)
+        "cpu_s": cpu_seconds(process.pid),
     }
 
 
@@ -261,6 +266,8 @@ def main(args: argparse.Namespace, admin: str) -> int:
     )
     admitted: list[float] = []
     worked: list[float] = []
+    cpu_ms: list[float] = []
+    huey_cpu_ms: list[float] = []
     startup: list[float] = []
     enqueued: list[float] = []
     reference: list[float] = []
@@ -286,11 +293,14 @@ def main(args: argparse.Namespace, admin: str) -> int:
             enqueued.append(runs / theirs["enqueue_s"])
             reference.append(runs / theirs["work_s"])
             ratios.append(worked[-1] / reference[-1])
+            cpu_ms.append(ours["cpu_s"] * 1000 / runs)
+            huey_cpu_ms.append(theirs["cpu_s"] * 1000 / runs)
             say(
                 f"standalone: round {index}/{args.rounds}: admitted {admitted[-1]:,.0f}/s,"
                 f" worked {worked[-1]:,.0f}/s (start-up {startup[-1]:.2f}s),"
                 f" Huey enqueued {enqueued[-1]:,.0f}/s, worked {reference[-1]:,.0f}/s,"
-                f" ratio {ratios[-1]:.3f}"
+                f" ratio {ratios[-1]:.3f}; CPU per run {cpu_ms[-1]:.3f} ms (Huey"
+                f" {huey_cpu_ms[-1]:.3f} ms)"
             )
 
     ratio = statistics.median(ratios)
@@ -308,6 +318,8 @@ def main(args: argparse.Namespace, admin: str) -> int:
         "rounds": args.rounds,
         "capacity": CAPACITY,
         "startup_s_median": round(statistics.median(startup), 3),
+        "cpu_ms_per_run": round(statistics.median(cpu_ms), 3),
+        "huey_cpu_ms_per_run": round(statistics.median(huey_cpu_ms), 3),
         "worked_per_s_per_round": [round(v, 1) for v in worked],
         "huey_worked_per_s_per_round": [round(v, 1) for v in reference],
         "ratio_per_round": [round(v, 3) for v in ratios],
@@ -328,6 +340,8 @@ def main(args: argparse.Namespace, admin: str) -> int:
             ("worked_per_s", result["worked_per_s"], "spawn -> all runs succeeded"),
             ("huey_worked_per_s", result["huey_worked_per_s"], "spawn -> all results stored"),
             ("ratio", result["ratio"], f"median of per-round ratios; target >= {TARGET_RATIO}"),
+            ("cpu_ms_per_run", result["cpu_ms_per_run"], "ql3 standalone user+sys, start-up in"),
+            ("huey_cpu_ms_per_run", result["huey_cpu_ms_per_run"], "consumer user+sys"),
             ("meets_target", result["meets_target"], ""),
             ("durability", "-", result["durability"]),
             ("huey_durability", "-", result["huey_durability"]),

@@ -304,7 +304,15 @@ def test_standalone_benchmark_reports_sqlite_throughput_against_huey() -> None:
     result = _last_json(done)
     _positive_numbers(
         result,
-        ("worked_per_s", "huey_worked_per_s", "ratio", "admitted_per_s", "huey_enqueued_per_s"),
+        (
+            "worked_per_s",
+            "huey_worked_per_s",
+            "ratio",
+            "admitted_per_s",
+            "huey_enqueued_per_s",
+            "cpu_ms_per_run",
+            "huey_cpu_ms_per_run",
+        ),
     )
     assert (result["runs"], result["rounds"], result["capacity"]) == (20, 1, 4)
     ratio = float(result["ratio"])  # type: ignore[arg-type]

@@ -24,7 +24,9 @@ DEFAULT_DATABASE = "ql3.sqlite"
 
 
 def _stamp(line: str) -> None:
-    click.echo(time.strftime("%H:%M:%S ") + line)
+    # Two lines per Run on a busy process: a plain write, without click.echo's look at the
+    # stream on every line (the lines hold no ANSI codes to strip).
+    print(time.strftime("%H:%M:%S ") + line, flush=True)
 
 
 def _json_line(line: str) -> None:
@@ -46,6 +48,28 @@ def _stop_on_signals(stop: Callable[[], None]) -> Iterator[None]:
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
+
+
+# What dependency_injector integrates with when the package is installed (it imports each one
+# it finds when it is first imported). The process wires none of them: no web framework runs in
+# it, and importing them took about a third of its start-up.
+UNUSED_INTEGRATIONS = ("fastapi", "starlette", "werkzeug", "pydantic_settings", "fast_depends")
+
+
+@contextmanager
+def _without_unused_integrations() -> Iterator[None]:
+    """While the profile's containers are imported, the integrations no module has imported
+    yet read as missing (a ``None`` entry in ``sys.modules`` makes their import fail); they are
+    importable again afterwards, by task code say."""
+    hidden = [name for name in UNUSED_INTEGRATIONS if name not in sys.modules]
+    for name in hidden:
+        sys.modules[name] = None  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        for name in hidden:
+            if name in sys.modules and sys.modules[name] is None:
+                del sys.modules[name]
 
 
 def _importable_cwd() -> None:
@@ -122,10 +146,11 @@ def standalone_command(
     ):
         if value is not None:
             settings[name] = value
-    if edge:
-        from bootstrap import edge as profile
-    else:
-        from bootstrap import standalone as profile  # type: ignore[no-redef]
+    with _without_unused_integrations():
+        if edge:
+            from bootstrap import edge as profile
+        else:
+            from bootstrap import standalone as profile  # type: ignore[no-redef]
     container = profile.build(**settings)
     try:
         runner = container.runner(tasks=tasks, emit=emit)

@@ -27,7 +27,6 @@ from sqlalchemy import (
     delete,
     exists,
     false,
-    func,
     insert,
     literal_column,
     not_,
@@ -66,7 +65,6 @@ from domain.model import (
     WorkerSession,
 )
 from domain.states import (
-    CLAIMABLE_RUN_STATUSES,
     GONE_SESSION_STATUSES,
     NON_TERMINAL_ATTEMPT_STATUSES,
     NON_TERMINAL_RUN_STATUSES,
@@ -430,78 +428,11 @@ def recovery_page(limit: int, now: ColumnElement[int] | int, spelling: Spelling)
     )
 
 
-# --- the claim ---------------------------------------------------------------------------------
-
-
-def leases_held(session_id: str, spelling: Spelling) -> Select:
-    """How many ``leased`` leases the session holds (``ix_run_dispatch_leases_held``)."""
-    l = run_dispatch_leases.c  # noqa: E741
-    return select(func.count()).where(
-        l.holder_session_id == session_id, spelling.is_(l.status, LeaseStatus.LEASED)
-    )
-
-
-def claimable(task: str, limit: int, spelling: Spelling, *, handed_back: bool) -> Select:
-    """Up to ``limit`` claimable Runs of ``task`` with their pristine latest Attempt (the one
-    numbered ``attempt_count``: every Attempt is created with the next number and counted in
-    the same change), Run and Attempt side by side, the Run's highest priority first, then the
-    oldest Attempt (its ``created_at``, then the Run's id), in one of two parts that together
-    are all of them:
-
-    - ``handed_back=False``: Attempts never changed since they were created, read from
-      ``ix_runs_claimable`` in its order (such an Attempt was created with its Run's move into
-      ``queued``, so the Run's ``updated_at`` is the Attempt's age);
-    - ``handed_back=True``: Attempts handed back since, from ``ix_run_attempts_handed_back``
-      (few at any time: they are sorted).
-
-    The first ``limit`` of a task are the first ``limit`` of both parts merged."""
-    r = runs.c
-    a = run_attempts.c
-    statement = (
-        select(*run_columns(), *attempt_columns())
-        .select_from(runs.join(run_attempts, and_(a.run_id == r.id, a.number == r.attempt_count)))
-        .where(
-            r.task == task,
-            spelling.one_of(r.status, CLAIMABLE_RUN_STATUSES),
-            pristine(a, spelling),
-        )
-    )
-    if handed_back:
-        return (
-            statement.where(a.updated_at > a.created_at)
-            .order_by(r.priority.desc(), a.created_at, spelling.by_id(a.run_id))
-            .limit(limit)
-        )
-    return (
-        statement.where(a.updated_at <= a.created_at)
-        .order_by(r.priority.desc(), r.updated_at, spelling.by_id(r.id))
-        .limit(limit)
-    )
-
-
-def in_flight_by_task(tasks: Iterable[str], spelling: Spelling) -> Select:
-    """``leased`` leases per task of their Run: what a claim balances across tasks."""
-    l = run_dispatch_leases.c  # noqa: E741
-    return (
-        select(runs.c.task, func.count().label("in_flight"))
-        .select_from(run_dispatch_leases.join(runs, runs.c.id == l.run_id))
-        .where(spelling.is_(l.status, LeaseStatus.LEASED), runs.c.task.in_(list(tasks)))
-        .group_by(runs.c.task)
-    )
-
-
 # --- task limits (ADR 0014) ---------------------------------------------------------------------
 
 
 def list_task_limits() -> Select:
     return select(task_limits).order_by(task_limits.c.task)
-
-
-def limits_of(tasks: Iterable[str]) -> Select:
-    """The limits of the tasks named that have one."""
-    return select(task_limits.c.task, task_limits.c.max_running).where(
-        task_limits.c.task.in_(sorted(set(tasks)))
-    )
 
 
 def task_limit_values(limit: TaskLimit) -> rows.Values:

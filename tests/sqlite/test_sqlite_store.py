@@ -41,6 +41,24 @@ def test_the_database_uses_the_write_ahead_log_and_enforces_foreign_keys(
     assert _pragma(store, "busy_timeout") == 30_000
 
 
+def test_a_write_lock_not_had_in_time_is_sqlalchemy_s_operational_error(tmp_path: Path) -> None:
+    """The driver's error at BEGIN is wrapped as on the Core path, and the connection is good
+    for the next unit of work."""
+    from sqlalchemy.exc import OperationalError
+
+    path = tmp_path / "ql3.sqlite"
+    SqliteStore(path).close()
+    other = sqlite3.connect(path, isolation_level=None)
+    other.execute("BEGIN IMMEDIATE")
+    store = SqliteStore(path, busy_timeout_s=0.05)
+    with pytest.raises(OperationalError, match="database is locked"), store.unit_of_work():
+        pass
+    other.execute("ROLLBACK")
+    other.close()
+    Admission(store.unit_of_work, RandomIdentities()).submit("t")
+    store.close()
+
+
 def test_every_at_most_one_rule_is_a_partial_unique_index(store: SqliteStore) -> None:
     with store.unit_of_work() as uow:
         found = dict(
@@ -235,6 +253,80 @@ def test_claims_take_the_oldest_queued_first_and_respect_the_gate(store: SqliteS
     assert [c.run.id for c in lock.candidates] == [second]
     assert lock.in_flight_by_task == {"t": 1}
     assert lock.capacity is not None and lock.capacity.in_flight == 1
+
+
+def test_a_claim_reads_each_part_of_its_candidates_from_its_own_index(
+    store: SqliteStore,
+) -> None:
+    """However deep the queue, a claim reads the never-changed Attempts from
+    ``ix_runs_claimable`` and the handed-back ones from ``ix_run_attempts_handed_back``: no
+    part walks the whole queue of its task."""
+    from adapters.sql.sqlite import hot
+
+    commands = _commands(store)
+    admission = Admission(store.unit_of_work, RandomIdentities())
+    oldest = admission.submit("t")
+    for _ in range(30):
+        admission.submit("t")
+    session = commands.register("w1", 1, ["t"])
+    (grant,) = commands.claim(session.session_id, session.secret, limit=1).grants
+    assert grant.run_id == oldest
+    commands.release_many(session.session_id, session.secret, [Release(fence=grant.fence)])
+    with store.unit_of_work() as uow:
+        plan = [
+            str(row[3])
+            for row in uow.connection.exec_driver_sql(
+                "EXPLAIN QUERY PLAN " + hot.claimable_sql(), {"task": "t", "limit": 1}
+            )
+        ]
+        lock = uow.runs.lock_for_claim(session.session_id, ["t"], 1)
+    assert any("USING INDEX ix_runs_claimable" in line for line in plan), plan
+    assert any("USING INDEX ix_run_attempts_handed_back" in line for line in plan), plan
+    assert not any(line.startswith("SCAN r") for line in plan), plan
+    # The handed-back Attempt is the oldest: it comes first, with its released lease.
+    (candidate,) = lock.candidates
+    assert candidate.run.id == oldest and candidate.attempt is not None
+    assert candidate.attempt.is_pristine
+    assert candidate.lease is not None and candidate.lease.generation == 1
+    (again,) = commands.claim(session.session_id, session.secret, limit=1).grants
+    assert (again.run_id, again.generation) == (oldest, 2)
+
+
+def test_a_refused_batch_leaves_nothing_and_the_transaction_usable(store: SqliteStore) -> None:
+    """A batch one of whose items lost its race (its Attempt was claimed since it was read)
+    is refused as a whole, by count of the rows its compare-and-set touched; the transaction
+    goes on and commits what it writes next."""
+    from domain.errors import ConcurrencyConflict
+    from tests.contract.builders import (
+        claim_attempt,
+        given_queued,
+        given_session,
+        locked_attempt,
+    )
+    from tests.contract.test_run_repository import _claim_change
+
+    given_session(store, "s1")
+    given_session(store, "s2")
+    first, second = given_queued(store, "r1"), given_queued(store, "r2")
+    with store.unit_of_work() as uow:
+        stale = locked_attempt(uow, second)
+    with store.unit_of_work() as uow:
+        claim_attempt(uow, second, "s2")
+        uow.commit()
+    with store.unit_of_work() as uow:
+        fresh = locked_attempt(uow, first)
+        writes = [
+            (fresh, _claim_change(uow, fresh, "s1", "tokenr1")),
+            (stale, _claim_change(uow, stale, "s1", "tokenr2")),
+        ]
+        with pytest.raises(ConcurrencyConflict, match="changed since it was read"):
+            uow.runs.apply_many(writes)
+        assert uow.runs.leases_of("r1") == ()  # the first item's writes were undone
+        uow.runs.apply_many(writes[:1])
+        uow.commit()
+    with store.unit_of_work() as uow:
+        assert [x.holder_session_id for x in uow.runs.leases_of("r1")] == ["s1"]
+        assert [x.holder_session_id for x in uow.runs.leases_of("r2")] == ["s2"]
 
 
 def test_a_missing_gate_row_reads_closed_and_is_written_anew(store: SqliteStore) -> None:

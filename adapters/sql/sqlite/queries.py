@@ -10,7 +10,7 @@ whole database, which serialises every writer.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any, cast
 
 from sqlalchemy import ColumnElement, Delete, Insert, Select, Update, delete, func, literal, select
@@ -19,12 +19,11 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from adapters.sql import statements
 from adapters.sql.schema import (
     metadata,
-    run_attempts,
     run_dispatch_leases,
     runs,
     triggers,
 )
-from adapters.sql.statements import Spelling, attempt_columns, run_columns
+from adapters.sql.statements import Spelling
 from application.ports import OPEN_GATE
 from domain.dispatch import TaskLimit
 from domain.model import DispatchLease, LeaseStatus, RunOwner, RunStatus
@@ -36,24 +35,6 @@ _is = SQLITE.is_
 
 
 # --- reads inside a unit of work ---------------------------------------------------------------
-
-
-def attempt_with_run(attempt_id: str) -> Select:
-    """Run and Attempt side by side, columns prefixed ``r_`` and ``a_``."""
-    return (
-        select(*run_columns(), *attempt_columns())
-        .select_from(runs.join(run_attempts, run_attempts.c.run_id == runs.c.id))
-        .where(run_attempts.c.id == attempt_id)
-    )
-
-
-def lease_of(run_id: str, generation: int | None) -> Select:
-    """The lease of that generation, or the Run's highest-generation lease."""
-    l = run_dispatch_leases.c  # noqa: E741
-    statement = select(run_dispatch_leases).where(l.run_id == run_id)
-    if generation is not None:
-        return statement.where(l.generation == generation)
-    return statement.order_by(l.generation.desc()).limit(1)
 
 
 def list_runs(status: RunStatus | None, limit: int) -> Select:
@@ -83,7 +64,7 @@ def renew_lease(before: DispatchLease, after: DispatchLease, now_ms: int) -> Upd
 # Every page query reads ``limit + 1`` rows to learn ``has_more``.
 
 
-def recovery_candidates_query(limit: int, now_ms: int) -> Select:
+def recovery_candidates_query(limit: int, now_ms: ColumnElement[int] | int) -> Select:
     """Runtime-owned, non-pristine claimed|starting|running Attempts of dispatching|running|lost
     Runs whose own lease is missing, released or expired; resolvable ones first."""
     return statements.recovery_page(limit, now_ms, SQLITE)
@@ -111,7 +92,7 @@ def lost_runs_query(limit: int) -> Select:
     )
 
 
-def due_retries_query(limit: int, now_ms: int) -> Select:
+def due_retries_query(limit: int, now_ms: ColumnElement[int] | int) -> Select:
     """Runtime-owned ``retry_wait`` Runs whose next_attempt_at the store's clock reached."""
     return _run_page(
         where=[
@@ -133,25 +114,6 @@ def orphaned_runs_query(limit: int) -> Select:
         limit=limit,
         latest=False,
     )
-
-
-# --- the claim ---------------------------------------------------------------------------------
-
-
-def leases_held(session_id: str) -> Select:
-    return statements.leases_held(session_id, SQLITE)
-
-
-def limits_of(tasks: Iterable[str]) -> Select:
-    return statements.limits_of(tasks)
-
-
-def claimable(task: str, limit: int, *, handed_back: bool) -> Select:
-    return statements.claimable(task, limit, SQLITE, handed_back=handed_back)
-
-
-def in_flight_by_task(tasks: Iterable[str]) -> Select:
-    return statements.in_flight_by_task(tasks, SQLITE)
 
 
 # --- due times (what an idle Edge process sleeps until) ---------------------------------------

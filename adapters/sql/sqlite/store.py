@@ -37,10 +37,13 @@ whose transactions are serialised by a lock: for tests and throw-away containers
 
 from __future__ import annotations
 
+import json
 import os
+import sqlite3
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from functools import lru_cache
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -49,14 +52,15 @@ from sqlalchemy import (
     ColumnElement,
     Connection,
     Engine,
+    bindparam,
     create_engine,
     event,
     literal,
 )
+from sqlalchemy.exc import DBAPIError, StatementError
 from sqlalchemy.pool import StaticPool
 from sqlalchemy.sql import Executable
 
-from adapters.batches import OneAtATime
 from adapters.sql import operations, rows, statements
 from adapters.sql.history import SqlHistoryRepository
 from adapters.sql.repositories import (
@@ -66,8 +70,8 @@ from adapters.sql.repositories import (
     SqlSessionRegistry,
     check_page_limit,
 )
-from adapters.sql.schema import metadata
-from adapters.sql.sqlite import queries
+from adapters.sql.schema import metadata, runs, worker_sessions
+from adapters.sql.sqlite import hot, queries
 from adapters.sql.sqlite.connection import (
     SCHEMA_VERSION,
     UPGRADABLE_VERSIONS,
@@ -75,8 +79,8 @@ from adapters.sql.sqlite.connection import (
     host_now_ms,
 )
 from adapters.sql.sqlite.wake import poke, wake_path_for
-from adapters.sql.statements import ATTEMPT_COLUMNS, RUN_COLUMNS
-from adapters.sql.transaction import ConnectionTransaction
+from adapters.sql.statements import ATTEMPT_COLUMNS, LEASE_COLUMNS, RUN_COLUMNS
+from adapters.sql.transaction import ConnectionTransaction, conflicts_translated
 from adapters.sql.triggers import SqlTriggerRepository, due_triggers_query
 from adapters.sql.workflows import SqlWorkflowRepository, workflow_candidates_query
 from application.ports import (
@@ -102,11 +106,10 @@ from application.ports import (
 from domain.dispatch import TaskLimit
 from domain.errors import ConcurrencyConflict
 from domain.model import (
-    Attempt,
     AttemptStatus,
     DispatchLease,
+    WorkerSession,
 )
-from domain.states import CLAIMABLE_RUN_STATUSES
 from domain.transitions import Change
 from domain.triggers import Trigger
 
@@ -141,7 +144,21 @@ def _install_hooks(engine: Engine, *, busy_timeout_ms: int, synchronous: str, wa
     @event.listens_for(engine, "begin")
     def on_begin(connection: Connection) -> None:
         mode = connection.get_execution_options().get(BEGIN_OPTION, "IMMEDIATE")
-        connection.exec_driver_sql(f"BEGIN {mode}")
+        # Straight on the driver (every unit of work begins here), its errors wrapped as the
+        # Core path wraps them.
+        driver = connection.connection.driver_connection
+        assert driver is not None
+        try:
+            driver.execute(f"BEGIN {mode}")
+        except sqlite3.Error as error:
+            raise DBAPIError.instance(
+                f"BEGIN {mode}",
+                None,
+                error,
+                sqlite3.Error,
+                hide_parameters=True,
+                dialect=connection.dialect,
+            ) from error
 
 
 # --- unit of work ------------------------------------------------------------------------------
@@ -153,6 +170,7 @@ class SqliteUnitOfWork(ConnectionTransaction):
     def __init__(self, store: SqliteStore) -> None:
         self._store = store
         self._connection: Connection | None = None
+        self._driver: sqlite3.Connection | None = None
         self._release: Callable[[], None] | None = None
         self._admitted = False
         self.runs: RunRepository = SqliteRunRepository(self)
@@ -176,6 +194,7 @@ class SqliteUnitOfWork(ConnectionTransaction):
             release()
             raise
         self._connection, self._release = connection, release
+        self._driver = connection.connection.driver_connection
         self._admitted = False
         return self
 
@@ -187,6 +206,7 @@ class SqliteUnitOfWork(ConnectionTransaction):
     ) -> None:
         connection, self._connection = self._connection, None
         release, self._release = self._release, None
+        self._driver = None
         if connection is None:
             return
         try:
@@ -207,6 +227,61 @@ class SqliteUnitOfWork(ConnectionTransaction):
             self._admitted = False
             self._store.announce_work()
 
+    def execute_sql(
+        self, sql: str, params: Sequence[Any] | dict[str, Any], label: str
+    ) -> list[hot.Row]:
+        """Plain SQL straight on the driver's connection, in this transaction (the hot paths of
+        :mod:`adapters.sql.sqlite.hot`); the rows as dictionaries by column label. Driver
+        errors are raised in SQLAlchemy's exception classes, as on the Core path."""
+        driver = self._require_driver()
+        try:
+            cursor = driver.execute(sql, params)
+            found = cursor.fetchall()
+        except sqlite3.Error as error:
+            raise self._wrapped(error, label) from error
+        if not found:
+            return []
+        names = [column[0] for column in cursor.description]
+        return [dict(zip(names, row, strict=True)) for row in found]
+
+    def execute_many(self, sql: str, params: Sequence[dict[str, Any]], label: str) -> int:
+        """One write statement for each set of parameters; the rows they touched in all."""
+        driver = self._require_driver()
+        try:
+            return int(driver.executemany(sql, params).rowcount)
+        except sqlite3.Error as error:
+            raise self._wrapped(error, label) from error
+
+    def driver_atomically(self, body: Callable[[], None]) -> None:
+        """``atomically`` for writes made with :meth:`execute_sql` and :meth:`execute_many`: a
+        savepoint of the driver's, without the Core path's bookkeeping of nested
+        transactions. A failing ``body`` leaves nothing behind and the transaction usable."""
+        driver = self._require_driver()
+        self.execute_sql("SAVEPOINT ql3_apply", (), "savepoint")
+        try:
+            body()
+        except BaseException:
+            if driver.in_transaction:
+                driver.execute("ROLLBACK TO ql3_apply")
+                driver.execute("RELEASE ql3_apply")
+            raise
+        self.execute_sql("RELEASE ql3_apply", (), "savepoint")
+
+    def _require_driver(self) -> sqlite3.Connection:
+        if self._driver is None:
+            raise RuntimeError("use the unit of work inside its `with` block")
+        return self._driver
+
+    def _wrapped(self, error: sqlite3.Error, label: str) -> StatementError:
+        return DBAPIError.instance(
+            f"<{label}>",
+            None,
+            error,
+            sqlite3.Error,
+            hide_parameters=True,
+            dialect=self.connection.dialect,
+        )
+
     def note_admission(self) -> None:
         """This transaction gives the executing process work (a Run put into ``queued``) or
         changes when work becomes due (a trigger): its commit wakes that process."""
@@ -216,7 +291,7 @@ class SqliteUnitOfWork(ConnectionTransaction):
 # --- repositories ------------------------------------------------------------------------------
 
 
-class SqliteRunRepository(OneAtATime, SqlRunRepository[SqliteUnitOfWork]):
+class SqliteRunRepository(SqlRunRepository[SqliteUnitOfWork]):
     queries = queries
 
     def add_many(self, changes: Sequence[Change]) -> None:
@@ -242,41 +317,36 @@ class SqliteRunRepository(OneAtATime, SqlRunRepository[SqliteUnitOfWork]):
         """Read under the transaction's database lock, which no other writer shares: the
         session, the leases it holds, the gate and, while it is open, each task's oldest
         claimable Attempts with their Runs' latest leases (the first of those never changed and
-        of those handed back, merged; see :func:`adapters.sql.statements.claimable`), and the
+        of those handed back, merged; see :func:`adapters.sql.sqlite.hot.claimable_sql`), and the
         limits of their tasks."""
         uow = self._uow
         now_ms = uow.now_ms()
-        row = uow.execute(statements.get_session(session_id)).mappings().first()
+        found = uow.execute_sql(hot.claim_session_sql(), {"session_id": session_id}, "claim")
         capacity = None
-        if row is not None:
-            held = int(uow.execute(queries.leases_held(session_id)).scalar_one())
-            capacity = SessionCapacity(session=rows.session_from_row(row), in_flight=held)
-        gate = SqlGateRepository(uow).get()
+        if found:
+            row = _session_row(found[0])
+            capacity = SessionCapacity(
+                session=rows.session_from_row(row), in_flight=int(row["ql3_held"])
+            )
+        gate = _gate(uow)
         candidates: list[Snapshot] = []
         in_flight: dict[str, int] = {}
         limits: dict[str, int] = {}
         if gate.open and capacity is not None:
             for task in sorted(set(tasks)):
-                found = [
-                    (
-                        rows.run_from_row(candidate, RUN_COLUMNS),
-                        rows.attempt_from_row(candidate, ATTEMPT_COLUMNS),
-                    )
-                    for handed_back in (False, True)
-                    for candidate in uow.execute(
-                        queries.claimable(task, limit_per_task, handed_back=handed_back)
-                    ).mappings()
+                params = {"task": task, "limit": limit_per_task}
+                picked = [
+                    _snapshot(row) for row in uow.execute_sql(hot.claimable_sql(), params, "claim")
                 ]
-                found.sort(key=lambda pair: (-pair[0].priority, pair[1].created_at_ms, pair[0].id))
-                for run, attempt in found[:limit_per_task]:
-                    lease = self._lease(run.id, attempt)
-                    candidates.append(Snapshot(run=run, attempt=attempt, lease=lease))
-            claimed_tasks = sorted({snapshot.run.task for snapshot in candidates})
-            if claimed_tasks:
-                counts = uow.execute(queries.in_flight_by_task(claimed_tasks))
-                in_flight = {str(task): int(count) for task, count in counts}
-                found_limits = uow.execute(queries.limits_of(claimed_tasks))
-                limits = {str(task): int(limit) for task, limit in found_limits}
+                picked.sort(key=_claim_order)
+                candidates.extend(picked[:limit_per_task])
+            claimed_tasks = json.dumps(sorted({snapshot.run.task for snapshot in candidates}))
+            if candidates:
+                params = {"tasks": claimed_tasks}
+                counts = uow.execute_sql(hot.in_flight_by_task_sql(), params, "claim")
+                in_flight = {str(row["task"]): int(row["in_flight"]) for row in counts}
+                found_limits = uow.execute_sql(hot.limits_of_sql(), params, "claim")
+                limits = {str(row["task"]): int(row["max_running"]) for row in found_limits}
         return ClaimLock(
             capacity=capacity,
             gate=gate,
@@ -286,15 +356,22 @@ class SqliteRunRepository(OneAtATime, SqlRunRepository[SqliteUnitOfWork]):
             limits=limits,
         )
 
+    def lock_attempts(self, attempt_ids: Sequence[str]) -> list[Snapshot | None]:
+        # The transaction already holds the database's write lock: nothing else to take.
+        if not attempt_ids:
+            return []
+        found = self._uow.execute_sql(
+            hot.lock_attempts_sql(), {"ids": json.dumps(list(attempt_ids))}, "lock attempts"
+        )
+        by_id = {row[f"{ATTEMPT_COLUMNS}id"]: row for row in found}
+        return [
+            _snapshot(by_id[attempt_id]) if attempt_id in by_id else None
+            for attempt_id in attempt_ids
+        ]
+
     def lock_attempt(self, attempt_id: str, *, skip_locked: bool = False) -> Snapshot | None:
-        # The transaction already holds the database's write lock: nothing else to take, and
-        # nobody else can hold this candidate, so ``skip_locked`` never skips.
-        row = self._uow.execute(queries.attempt_with_run(attempt_id)).mappings().first()
-        if row is None:
-            return None
-        run = rows.run_from_row(row, RUN_COLUMNS)
-        attempt = rows.attempt_from_row(row, ATTEMPT_COLUMNS)
-        return Snapshot(run=run, attempt=attempt, lease=self._lease(run.id, attempt))
+        # Nobody else can hold this candidate, so ``skip_locked`` never skips.
+        return self.lock_attempts([attempt_id])[0]
 
     def lock_run(self, run_id: str) -> Snapshot | None:
         found = self._uow.execute(statements.latest_attempt_of(run_id)).first()
@@ -305,43 +382,25 @@ class SqliteRunRepository(OneAtATime, SqlRunRepository[SqliteUnitOfWork]):
             run = self.get_run(run_id)
             if run is None:
                 return None
-            return Snapshot(run=run, attempt=None, lease=self._lease(run_id, None))
+            leases = self._uow.execute_sql(hot.latest_lease_sql(), {"run_id": run_id}, "lease")
+            lease = rows.lease_from_row(leases[0], LEASE_COLUMNS) if leases else None
+            return Snapshot(run=run, attempt=None, lease=lease)
         return self.lock_attempt(str(attempt_id))
 
-    def _lease(self, run_id: str, attempt: Attempt | None) -> DispatchLease | None:
-        generation = attempt.lease_generation if attempt is not None else None
-        row = self._uow.execute(queries.lease_of(run_id, generation)).mappings().first()
-        return rows.lease_from_row(row) if row is not None else None
-
     def apply(self, before: Snapshot, change: Change) -> None:
-        if change.run.id != before.run.id:
-            raise ValueError(f"change of run {change.run.id} applied to run {before.run.id}")
-        self._uow.atomically(lambda: self._apply(before, change))
-        if change.run.status in CLAIMABLE_RUN_STATUSES:
-            self._uow.note_admission()
+        self.apply_many([(before, change)])
 
-    def _apply(self, before: Snapshot, change: Change) -> None:
+    def apply_many(self, writes: Sequence[tuple[Snapshot, Change]]) -> None:
+        """Every Change of the batch, all or nothing, under a savepoint: a few statements of one
+        shape each (:class:`adapters.sql.sqlite.hot.ApplyMany`), every update a compare-and-set
+        that must touch each of its rows."""
+        if not writes:
+            return
+        batch = hot.ApplyMany(writes)
         uow = self._uow
-        if change.run != before.run:
-            uow.compare_and_set(
-                statements.update_run(before.run, change.run), f"run {before.run.id}"
-            )
-        for attempt in change.attempts:
-            what = f"attempt {attempt.id}"
-            if before.attempt is not None and attempt.id == before.attempt.id:
-                uow.compare_and_set(statements.update_attempt(before.attempt, attempt), what)
-            else:
-                uow.write(statements.insert_attempt(attempt), what)
-        lease = change.lease
-        if lease is not None:
-            what = f"lease {lease.run_id}/{lease.generation}"
-            old = before.lease
-            if old is not None and (old.run_id, old.generation) == (lease.run_id, lease.generation):
-                if lease != old:
-                    uow.compare_and_set(statements.update_lease(old, lease), what)
-            else:
-                uow.write(statements.insert_lease(lease), what)
-        uow.write(statements.insert_event(change.event), f"event of run {change.run.id}")
+        uow.driver_atomically(lambda: _write(uow, batch))
+        if batch.queues:
+            uow.note_admission()
 
     def renew_lease(self, before: DispatchLease, after: DispatchLease) -> None:
         if (after.run_id, after.generation) != (before.run_id, before.generation):
@@ -354,6 +413,57 @@ class SqliteRunRepository(OneAtATime, SqlRunRepository[SqliteUnitOfWork]):
 
 class SqliteSessionRegistry(SqlSessionRegistry[SqliteUnitOfWork]):
     queries = queries
+
+    def get(self, session_id: str) -> WorkerSession | None:
+        found = self._uow.execute_sql(hot.get_session_sql(), (session_id,), "session")
+        return rows.session_from_row(_session_row(found[0])) if found else None
+
+    def held_by(self, session_id: str) -> Sequence[str]:
+        found = self._uow.execute_sql(hot.held_by_sql(), (session_id,), "held by")
+        return tuple(str(row["attempt_id"]) for row in found)
+
+
+def _session_row(row: hot.Row) -> hot.Row:
+    return hot.decode([row], (worker_sessions, ""))[0]
+
+
+def _gate(uow: SqliteUnitOfWork) -> DispatchGate:
+    found = uow.execute_sql(hot.get_gate_sql(), (), "the dispatch gate")
+    return statements.gate_from_row(found[0] if found else None)
+
+
+def _snapshot(row: hot.Row) -> Snapshot:
+    """A Run, its Attempt and its lease read side by side (prefixed ``r_``, ``a_``, ``l_``)."""
+    hot.decode([row], (runs, RUN_COLUMNS))
+    run = rows.run_from_row(row, RUN_COLUMNS)
+    attempt = rows.attempt_from_row(row, ATTEMPT_COLUMNS)
+    has_lease = row[f"{LEASE_COLUMNS}run_id"] is not None
+    lease = rows.lease_from_row(row, LEASE_COLUMNS) if has_lease else None
+    return Snapshot(run=run, attempt=attempt, lease=lease)
+
+
+def _claim_order(snapshot: Snapshot) -> tuple[int, int, str]:
+    """Highest priority first, then the oldest Attempt, then the Run's id."""
+    assert snapshot.attempt is not None
+    return (-snapshot.run.priority, snapshot.attempt.created_at_ms, snapshot.run.id)
+
+
+def _write(uow: SqliteUnitOfWork, batch: hot.ApplyMany) -> None:
+    for kind, sql, params, what in batch.statements():
+        if kind == "check":
+            for one, name in zip(params, what, strict=True):
+                (row,) = uow.execute_sql(sql, one, name)
+                if next(iter(row.values())) != 1:
+                    raise ConcurrencyConflict(f"{name} changed since it was read")
+            continue
+        label = what[0] if len(what) == 1 else f"{what[0]} and {len(what) - 1} more"
+        with conflicts_translated(label):
+            touched = uow.execute_many(sql, params, label)
+        if kind == "update" and touched != len(params):
+            # Each item's key names one row: a short total means an item's row was not as read.
+            raise ConcurrencyConflict(
+                f"{label} changed since it was read ({touched} of {len(params)} as read)"
+            )
 
 
 class SqliteTriggerRepository(SqlTriggerRepository):
@@ -549,15 +659,15 @@ class SqliteStore:
 
     # candidate sources: one statement each, in its own read transaction
 
-    def _page_rows(self, statement_for: Callable[[int], Executable]) -> tuple[int, list[Any]]:
+    def _page_rows(self, statement: Executable) -> tuple[int, list[Any]]:
         with self._transaction(read_only=True) as connection:
             now = self.now_ms()
-            found = list(connection.execute(statement_for(now)).mappings().all())
+            found = list(connection.execute(statement, {NOW: now}).mappings().all())
         return now, found
 
     def recovery_candidates(self, limit: int) -> Page[RecoveryCandidate]:
         check_page_limit(limit)
-        now, found = self._page_rows(lambda now: queries.recovery_candidates_query(limit, now))
+        now, found = self._page_rows(_page("recovery", limit))
         items = tuple(
             RecoveryCandidate(
                 run_id=row["run_id"],
@@ -572,10 +682,8 @@ class SqliteStore:
         )
         return Page(items=items[:limit], has_more=len(items) > limit, observed_at_ms=now)
 
-    def _run_page(
-        self, statement_for: Callable[[int], Executable], limit: int
-    ) -> Page[RunCandidate]:
-        now, found = self._page_rows(statement_for)
+    def _run_page(self, statement: Executable, limit: int) -> Page[RunCandidate]:
+        now, found = self._page_rows(statement)
         items = tuple(
             RunCandidate(
                 run_id=row["run_id"],
@@ -588,15 +696,15 @@ class SqliteStore:
 
     def lost_runs(self, limit: int) -> Page[RunCandidate]:
         check_page_limit(limit)
-        return self._run_page(lambda _now: queries.lost_runs_query(limit), limit)
+        return self._run_page(_page("lost", limit), limit)
 
     def due_retries(self, limit: int) -> Page[RunCandidate]:
         check_page_limit(limit)
-        return self._run_page(lambda now: queries.due_retries_query(limit, now), limit)
+        return self._run_page(_page("due_retries", limit), limit)
 
     def orphaned_runs(self, limit: int) -> Page[RunCandidate]:
         check_page_limit(limit)
-        return self._run_page(lambda _now: queries.orphaned_runs_query(limit), limit)
+        return self._run_page(_page("orphaned", limit), limit)
 
     def dispatch_gate(self) -> DispatchGate:
         with self._transaction(read_only=True) as connection:
@@ -605,7 +713,7 @@ class SqliteStore:
 
     def due_triggers(self, limit: int) -> Page[DueTrigger]:
         check_page_limit(limit)
-        now, found = self._page_rows(lambda now: due_triggers_query(limit, _clock(now)))
+        now, found = self._page_rows(_page("due_triggers", limit))
         items = tuple(
             DueTrigger(trigger_id=row["trigger_id"], next_fire_at_ms=int(row["next_fire_at"]))
             for row in found
@@ -615,7 +723,7 @@ class SqliteStore:
 
     def workflow_candidates(self, limit: int) -> Page[RunCandidate]:
         check_page_limit(limit)
-        now, found = self._page_rows(lambda now: workflow_candidates_query(limit, _clock(now)))
+        now, found = self._page_rows(_page("workflows", limit))
         items = tuple(
             RunCandidate(run_id=row["run_id"], attempt_id=None, since_ms=int(row["since"]))
             for row in found
@@ -648,10 +756,7 @@ class SqliteStore:
     def next_due_at_ms(self) -> int | None:
         """The earliest time a ``retry_wait`` Run or an active trigger becomes due, if any."""
         with self._transaction(read_only=True) as connection:
-            found = [
-                connection.execute(statement).scalar()
-                for statement in (queries.next_retry_at_query(), queries.next_trigger_at_query())
-            ]
+            found = [connection.execute(statement).scalar() for statement in _due_times()]
         times = [int(value) for value in found if value is not None]
         return min(times) if times else None
 
@@ -751,6 +856,32 @@ def renew_claimable_index(connection: Connection) -> None:
     an older declaration is dropped first, since it keeps the name."""
     connection.exec_driver_sql("DROP INDEX IF EXISTS ix_runs_claimable")
     _create_missing_indexes(connection)
+
+
+NOW = "ql3_now"
+_NOW = bindparam(NOW, type_=BigInteger())
+
+
+@lru_cache(maxsize=64)
+def _page(kind: str, limit: int) -> Executable:
+    """A candidate page's statement, built once per kind and page size, the store's clock bound
+    as the parameter :data:`NOW` when it is run: building one of these costs several times
+    what running it does, and the cadence runs them several times a second while work flows."""
+    builders: dict[str, Callable[[], Executable]] = {
+        "recovery": lambda: queries.recovery_candidates_query(limit, _NOW),
+        "lost": lambda: queries.lost_runs_query(limit),
+        "due_retries": lambda: queries.due_retries_query(limit, _NOW),
+        "orphaned": lambda: queries.orphaned_runs_query(limit),
+        "due_triggers": lambda: due_triggers_query(limit, _NOW),
+        "workflows": lambda: workflow_candidates_query(limit, _NOW),
+    }
+    return builders[kind]()
+
+
+@lru_cache(maxsize=1)
+def _due_times() -> tuple[Executable, Executable]:
+    """What an idle process may sleep until, built once (the loop asks after every cycle)."""
+    return queries.next_retry_at_query(), queries.next_trigger_at_query()
 
 
 def _clock(now_ms: int) -> ColumnElement[int]:
