@@ -65,15 +65,13 @@ _ACCEPTS_CONTEXT_LIMIT = 1024
 def _accepts_context(fn: Callable[..., Any]) -> bool:
     try:
         return _ACCEPTS_CONTEXT[fn]
-    except (KeyError, TypeError):  # TypeError: an unhashable callable, never remembered
+    except KeyError:
         pass
-    accepts = _reads_context(fn)
+    except TypeError:  # an unhashable callable: never remembered
+        return _reads_context(fn)
     if len(_ACCEPTS_CONTEXT) >= _ACCEPTS_CONTEXT_LIMIT:
         _ACCEPTS_CONTEXT.clear()
-    try:
-        _ACCEPTS_CONTEXT[fn] = accepts
-    except TypeError:
-        pass
+    accepts = _ACCEPTS_CONTEXT[fn] = _reads_context(fn)
     return accepts
 
 

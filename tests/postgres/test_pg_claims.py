@@ -3,11 +3,13 @@ gate, the dispatch wake-ups, and what a claim costs in statements."""
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Iterator
 from typing import Any
 
 import psycopg
+import psycopg.sql
 import pytest
 from sqlalchemy import event
 
@@ -282,6 +284,54 @@ def test_commits_that_queue_a_run_notify_the_dispatch_channel(
         uow.runs.apply(before, create_first_attempt(before.run, "a9", uow.now_ms()))
         uow.commit()
     assert _heard(listener, 5.0) == [DISPATCH_CHANNEL]
+
+
+def _generic_plan_rows(store: PostgresStore, sql: str, params: dict[str, Any]) -> Any:
+    """The executed generic plan of ``sql`` (as the store's connections run a prepared
+    statement: ``plan_cache_mode = force_generic_plan``), in a transaction rolled back after."""
+    names: list[str] = []
+
+    def placeholder(match: re.Match[str]) -> str:
+        if match.group(1) not in names:
+            names.append(match.group(1))
+        return f"${names.index(match.group(1)) + 1}"
+
+    prepared = re.sub(r"%\((\w+)\)s", placeholder, sql)
+    with psycopg.connect(_plain_url(store.engine.url.render_as_string(False))) as conn:
+        conn.execute("SET plan_cache_mode = force_generic_plan")
+        conn.execute(psycopg.sql.SQL("PREPARE ql3_plan AS {}").format(psycopg.sql.SQL(prepared)))
+        arguments = psycopg.sql.SQL(", ").join(psycopg.sql.Literal(params[n]) for n in names)
+        explain = psycopg.sql.SQL("EXPLAIN (ANALYZE, FORMAT JSON) EXECUTE ql3_plan({})")
+        row = conn.execute(explain.format(arguments)).fetchone()
+        conn.rollback()
+    assert row is not None
+    return row[0][0]["Plan"]
+
+
+def _rows_read_from(plan: dict[str, Any], index: str) -> int:
+    found = 0
+    pending = [plan]
+    while pending:
+        node = pending.pop()
+        if node.get("Index Name") == index:
+            found += int(node["Actual Rows"]) * int(node["Actual Loops"])
+        pending.extend(node.get("Plans", ()))
+    return found
+
+
+def test_a_claim_reads_no_more_of_the_queue_than_it_takes(
+    store: PostgresStore, commands: WorkerCommands
+) -> None:
+    from adapters.postgres import hot
+
+    _admit(store, 60)
+    session = commands.register("w1", 8, [TASK])
+    plan = _generic_plan_rows(
+        store, hot.claim_sql(), hot.claim_params(session.session_id, [TASK], 8, 0)
+    )
+    # Eight from the index of claimable Runs for the never-changed part, and none for the
+    # handed-back part while no Attempt is handed back: it used to read the whole queue there.
+    assert _rows_read_from(plan, "ix_runs_claimable") == 8
 
 
 # --- what a claim costs ------------------------------------------------------------------------
