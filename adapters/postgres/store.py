@@ -21,11 +21,13 @@ trip, and a commit that puts a Run into ``queued`` notifies
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, cast
 
 import psycopg
+from psycopg import RawCursor
 from psycopg.rows import dict_row
 from sqlalchemy import Connection, Engine, text
 from sqlalchemy.engine import make_url
@@ -126,6 +128,43 @@ def _driver_url(url: str) -> str:
     return parsed.render_as_string(hide_password=False)
 
 
+# --- plain SQL ----------------------------------------------------------------------------------
+#
+# The hot statements are written with ``%(name)s`` parameters. The driver parses such a text
+# again on every execution when it is longer than it caches (4,096 characters, which a claim's
+# and a batch's statements are), so each text is turned into ``$n`` placeholders once, here, and
+# executed by a cursor that passes it as it is.
+
+_PLACEHOLDER = re.compile(r"%\((\w+)\)s|%%")
+_POSITIONAL: dict[str, tuple[str, tuple[str, ...]]] = {}
+_POSITIONAL_LIMIT = 512
+
+
+def _to_positional(sql: str) -> tuple[str, tuple[str, ...]]:
+    """``sql`` with ``$n`` placeholders, and the parameter name of each ``n``."""
+    names: list[str] = []
+
+    def placeholder(match: re.Match[str]) -> str:
+        name = match.group(1)
+        if name is None:
+            return "%"
+        if name not in names:
+            names.append(name)
+        return f"${names.index(name) + 1}"
+
+    return _PLACEHOLDER.sub(placeholder, sql), tuple(names)
+
+
+def _positional(sql: str, params: dict[str, Any]) -> tuple[str, list[Any]]:
+    converted = _POSITIONAL.get(sql)
+    if converted is None:
+        if len(_POSITIONAL) >= _POSITIONAL_LIMIT:
+            _POSITIONAL.clear()
+        converted = _POSITIONAL[sql] = _to_positional(sql)
+    text_, names = converted
+    return text_, [params[name] for name in names]
+
+
 # --- unit of work ------------------------------------------------------------------------------
 
 
@@ -209,14 +248,14 @@ class PostgresUnitOfWork(ConnectionTransaction):
         try:
             if len(statements) == 1:
                 sql, params = statements[0]
-                with driver.cursor(row_factory=dict_row) as cursor:
-                    cursor.execute(sql, params)
+                with RawCursor(driver, row_factory=dict_row) as cursor:
+                    cursor.execute(*_positional(sql, params))
                     return [cursor.fetchall()]
-            cursors = [driver.cursor(row_factory=dict_row) for _ in statements]
+            cursors = [RawCursor(driver, row_factory=dict_row) for _ in statements]
             try:
                 with driver.pipeline():
                     for cursor, (sql, params) in zip(cursors, statements, strict=True):
-                        cursor.execute(sql, params)
+                        cursor.execute(*_positional(sql, params))
                 return [cursor.fetchall() for cursor in cursors]
             finally:
                 for cursor in cursors:
