@@ -217,10 +217,16 @@ def lock_attempt_params(attempt_id: str, clock_offset_ms: int) -> dict[str, Any]
 
 @cache
 def get_session_sql() -> str:
-    """A session by id (or NULL columns) and the store's clock, in one row."""
+    """A session by id (or NULL columns), the store's clock and the Attempt ids of the session's
+    ``leased`` leases in id order (``ix_run_dispatch_leases_held``; what a claim's ``held``
+    statement is checked against), in one row."""
+    leased = _literal(LeaseStatus.LEASED)
     return (
         f"SELECT {store_now_sql()} AS observed_at,"
-        f" {_select_list(worker_sessions, 'ws', SESSION_PREFIX)}"
+        f" {_select_list(worker_sessions, 'ws', SESSION_PREFIX)},"
+        " ARRAY(SELECT h.attempt_id FROM run_dispatch_leases h"
+        f" WHERE h.holder_session_id = ws.id AND h.status = {leased}"
+        ' ORDER BY h.attempt_id COLLATE "C") AS held'
         " FROM (SELECT 1) one LEFT JOIN worker_sessions ws ON ws.id = %(session_id)s"
     )
 

@@ -188,6 +188,7 @@ class PostgresUnitOfWork(ConnectionTransaction):
         # Attempt's stop reports, the clock), served to the next reads until anything is written.
         self._seen_sessions: dict[str, WorkerSession | None] = {}
         self._seen_reports: dict[str, tuple[StopReport, ...]] = {}
+        self._seen_held: dict[str, tuple[str, ...]] = {}  # a session's leased Attempts
         self._seen_now_ms: int | None = None
         self._seen_at_offset_ms = 0  # the clock offset that reading was taken at
         # Set when a write was refused after part of it may have been applied: the transaction
@@ -245,6 +246,7 @@ class PostgresUnitOfWork(ConnectionTransaction):
         driver = self.connection.connection.driver_connection
         if driver is None:
             raise RuntimeError("the unit of work has no open connection")
+        self._seen_held = {}
         try:
             if len(statements) == 1:
                 sql, params = statements[0]
@@ -296,7 +298,20 @@ class PostgresUnitOfWork(ConnectionTransaction):
     def forget(self) -> None:
         self._seen_sessions = {}
         self._seen_reports = {}
+        self._seen_held = {}
         self._seen_now_ms = None
+
+    def execute(self, statement: Executable) -> Any:
+        self._seen_held = {}
+        return super().execute(statement)
+
+    def remember_held(self, session_id: str, attempt_ids: tuple[str, ...]) -> None:
+        """The Attempts a session's ``leased`` leases name, as the statement just run read
+        them; served by :meth:`seen_held` until the next statement."""
+        self._seen_held = {session_id: attempt_ids}
+
+    def seen_held(self, session_id: str) -> tuple[str, ...] | None:
+        return self._seen_held.get(session_id)
 
     def seen_session(self, session_id: str) -> tuple[bool, WorkerSession | None]:
         if session_id in self._seen_sessions:
@@ -569,7 +584,14 @@ class PostgresSessionRegistry(SqlSessionRegistry[PostgresUnitOfWork]):
         uow.remember_clock(int(row["observed_at"]))
         if row[f"{hot.SESSION_PREFIX}id"] is None:
             return None
+        uow.remember_held(session_id, tuple(row["held"]))
         return rows.session_from_row(row, hot.SESSION_PREFIX)
+
+    def held_by(self, session_id: str) -> Sequence[str]:
+        """As read with the session by :meth:`get` when no statement ran since (a claim asks
+        right after authenticating), else read now."""
+        seen = self._uow.seen_held(session_id)
+        return seen if seen is not None else super().held_by(session_id)
 
 
 class PostgresEvidenceRepository(SqlEvidenceRepository[PostgresUnitOfWork]):

@@ -383,12 +383,18 @@ def test_a_claim_with_completions_and_grants_is_four_round_trips_and_one_write(
     assert len(first.grants) == 8
     log.clear()
     answer = commands.claim(
-        session.session_id, session.secret, limit=8, completions=_completions(first.grants)
+        session.session_id,
+        session.secret,
+        limit=8,
+        completions=_completions(first.grants),
+        held=[g.attempt_id for g in first.grants],
     )
     assert [r.ok for r in answer.completed] == [True] * 8 and len(answer.grants) == 8
-    # One statement each: the session with the clock (authentication), the completed Attempts'
-    # locks, the claim's locks (two statements in one round trip), and every write together
-    # (behind the setting that keeps its plan on the keys' indexes, in the same round trip).
+    assert answer.released == ()
+    # One statement each: the session with the clock and its leased Attempts (authentication,
+    # and what the ``held`` statement is checked against), the completed Attempts' locks, the
+    # claim's locks (two statements in one round trip), and every write together (behind the
+    # setting that keeps its plan on the keys' indexes, in the same round trip).
     assert log.core == []
     assert log.hot == [
         ("get session", 1),
