@@ -152,6 +152,12 @@ def store_now_sql(offset_param: str = "clock_offset_ms") -> str:
     )
 
 
+@cache
+def now_sql() -> str:
+    """The store's clock, alone (``now_ms``)."""
+    return f"SELECT {store_now_sql()} AS now_ms"
+
+
 # --- lock ---------------------------------------------------------------------------------------
 
 

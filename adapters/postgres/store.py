@@ -224,8 +224,9 @@ class PostgresUnitOfWork(ConnectionTransaction):
     def now_ms(self) -> int:
         if self._seen_now_ms is not None and self._seen_at_offset_ms == self.clock_offset_ms:
             return self._seen_now_ms
-        value = self.connection.execute(queries.now_statement(self.clock_offset_ms)).scalar_one()
-        return int(value)
+        params = {"clock_offset_ms": self.clock_offset_ms}
+        (row,) = self.execute_sql(hot.now_sql(), params, "read the clock")
+        return int(row["now_ms"])
 
     def commit(self) -> None:
         if self._broken is not None:
