@@ -165,6 +165,14 @@ def _positional(sql: str, params: dict[str, Any]) -> tuple[str, list[Any]]:
     return text_, [params[name] for name in names]
 
 
+def _rows(cursor: RawCursor[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows of a cursor's statement; none for a command that returns none."""
+    return cursor.fetchall() if cursor.description is not None else []
+
+
+_ADD_SAVEPOINT = "ql3_add_runs"
+
+
 # --- unit of work ------------------------------------------------------------------------------
 
 
@@ -253,13 +261,17 @@ class PostgresUnitOfWork(ConnectionTransaction):
                 sql, params = statements[0]
                 with RawCursor(driver, row_factory=dict_row) as cursor:
                     cursor.execute(*_positional(sql, params))
-                    return [cursor.fetchall()]
+                    return [_rows(cursor)]
             cursors = [RawCursor(driver, row_factory=dict_row) for _ in statements]
             try:
                 with driver.pipeline():
                     for cursor, (sql, params) in zip(cursors, statements, strict=True):
-                        cursor.execute(*_positional(sql, params))
-                return [cursor.fetchall() for cursor in cursors]
+                        # A command without parameters (a savepoint's) is never prepared: one
+                        # prepared after a statement that fails in the same pipeline would be
+                        # skipped, and the driver would take it for prepared all the same.
+                        prepare = None if params else False
+                        cursor.execute(*_positional(sql, params), prepare=prepare)
+                return [_rows(cursor) for cursor in cursors]
             finally:
                 for cursor in cursors:
                     cursor.close()
@@ -485,11 +497,25 @@ class PostgresRunRepository(SqlRunRepository[PostgresUnitOfWork]):
         batch = hot.add_many_statement(changes)
         what = f"{len(changes)} admitted runs"
 
-        def write() -> Any:
+        # The savepoint, the statement and the savepoint's release travel in one round trip;
+        # a refused statement skips the release, and the savepoint is rolled back after it.
+        statements = [
+            (f"SAVEPOINT {_ADD_SAVEPOINT}", {}),
+            (hot.add_many_sql(), batch.params),
+            (f"RELEASE SAVEPOINT {_ADD_SAVEPOINT}", {}),
+        ]
+        try:
             with _conflicts_translated(what):
-                return uow.execute_sql(hot.add_many_sql(), batch.params, "add runs")[0]
-
-        result = uow.atomically(write)
+                result = uow.execute_pipelined(statements, "add runs")[1][0]
+        except ConcurrencyConflict:
+            uow.execute_pipelined(
+                [
+                    (f"ROLLBACK TO SAVEPOINT {_ADD_SAVEPOINT}", {}),
+                    (f"RELEASE SAVEPOINT {_ADD_SAVEPOINT}", {}),
+                ],
+                "undo runs",
+            )
+            raise
         if any(int(result[name]) != count for name, count in batch.expected.items()):
             uow.break_transaction(f"{what} were not all written")
             raise ConcurrencyConflict(f"{what} were not all written")
