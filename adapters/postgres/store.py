@@ -170,7 +170,7 @@ def _rows(cursor: RawCursor[dict[str, Any]]) -> list[dict[str, Any]]:
     return cursor.fetchall() if cursor.description is not None else []
 
 
-_ADD_SAVEPOINT = "ql3_add_runs"
+_SAVEPOINT = "ql3_statement"
 
 
 # --- unit of work ------------------------------------------------------------------------------
@@ -291,6 +291,31 @@ class PostgresUnitOfWork(ConnectionTransaction):
                 connection_invalidated=lost,
                 dialect=dialect,
             ) from error
+
+    def execute_savepointed(
+        self, sql: str, params: dict[str, Any], label: str
+    ) -> list[dict[str, Any]]:
+        """One plain statement under a savepoint, all of it or none, the transaction usable
+        after a refusal: the savepoint, the statement and the savepoint's release travel in one
+        round trip (a refused statement skips the release, and the savepoint is rolled back
+        after it)."""
+        statements = [
+            (f"SAVEPOINT {_SAVEPOINT}", {}),
+            (sql, params),
+            (f"RELEASE SAVEPOINT {_SAVEPOINT}", {}),
+        ]
+        try:
+            return self.execute_pipelined(statements, label)[1]
+        except DBAPIError:
+            undo: list[tuple[str, dict[str, Any]]] = [
+                (f"ROLLBACK TO SAVEPOINT {_SAVEPOINT}", {}),
+                (f"RELEASE SAVEPOINT {_SAVEPOINT}", {}),
+            ]
+            try:
+                self.execute_pipelined(undo, f"undo {label}")
+            except DBAPIError:
+                self.break_transaction(f"{label}: its savepoint could not be rolled back")
+            raise
 
     def remember(
         self,
@@ -497,25 +522,8 @@ class PostgresRunRepository(SqlRunRepository[PostgresUnitOfWork]):
         batch = hot.add_many_statement(changes)
         what = f"{len(changes)} admitted runs"
 
-        # The savepoint, the statement and the savepoint's release travel in one round trip;
-        # a refused statement skips the release, and the savepoint is rolled back after it.
-        statements = [
-            (f"SAVEPOINT {_ADD_SAVEPOINT}", {}),
-            (hot.add_many_sql(), batch.params),
-            (f"RELEASE SAVEPOINT {_ADD_SAVEPOINT}", {}),
-        ]
-        try:
-            with _conflicts_translated(what):
-                result = uow.execute_pipelined(statements, "add runs")[1][0]
-        except ConcurrencyConflict:
-            uow.execute_pipelined(
-                [
-                    (f"ROLLBACK TO SAVEPOINT {_ADD_SAVEPOINT}", {}),
-                    (f"RELEASE SAVEPOINT {_ADD_SAVEPOINT}", {}),
-                ],
-                "undo runs",
-            )
-            raise
+        with _conflicts_translated(what):
+            result = uow.execute_savepointed(hot.add_many_sql(), batch.params, "add runs")[0]
         if any(int(result[name]) != count for name, count in batch.expected.items()):
             uow.break_transaction(f"{what} were not all written")
             raise ConcurrencyConflict(f"{what} were not all written")
