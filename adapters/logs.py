@@ -18,8 +18,6 @@ import sys
 from collections.abc import Iterable, Mapping
 from typing import TextIO
 
-from sqlalchemy.engine import make_url
-
 FORMATS = ("text", "json")
 FIELDS = ("run_id", "attempt_id", "worker_id", "session_id", "step")
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -32,6 +30,8 @@ def url_password(url: str | None) -> str | None:
     """The password of a database URL, if it has one."""
     if not url:
         return None
+    from sqlalchemy.engine import make_url  # only a process that has a database URL pays for it
+
     try:
         return make_url(url).password
     except Exception:

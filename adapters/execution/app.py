@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-import asyncio
 import importlib
 import inspect
 import json
 import threading
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
-import attrs
+# asyncio is imported when an ``async def`` task runs: a slot's child process loads this module
+# at start-up, and most task mappings never need an event loop.
 
 TaskMapping = Mapping[str, Callable[..., Any]]
 
@@ -19,7 +20,7 @@ class AppLoadError(Exception):
     """The ``MODULE:ATTR`` spec does not name a mapping of task names to callables."""
 
 
-@attrs.frozen(kw_only=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class TaskContext:
     """What a task may learn about the attempt running it.
 
@@ -56,7 +57,25 @@ def load_app(spec: str) -> dict[str, Callable[..., Any]]:
     return tasks
 
 
+# Per task callable, whether it takes ``context``: read from its signature once.
+_ACCEPTS_CONTEXT: dict[Callable[..., Any], bool] = {}
+_ACCEPTS_CONTEXT_LIMIT = 1024
+
+
 def _accepts_context(fn: Callable[..., Any]) -> bool:
+    try:
+        return _ACCEPTS_CONTEXT[fn]
+    except KeyError:
+        pass
+    except TypeError:  # an unhashable callable: never remembered
+        return _reads_context(fn)
+    if len(_ACCEPTS_CONTEXT) >= _ACCEPTS_CONTEXT_LIMIT:
+        _ACCEPTS_CONTEXT.clear()
+    accepts = _ACCEPTS_CONTEXT[fn] = _reads_context(fn)
+    return accepts
+
+
+def _reads_context(fn: Callable[..., Any]) -> bool:
     try:
         parameters = inspect.signature(fn).parameters
     except (TypeError, ValueError):
@@ -99,6 +118,8 @@ def is_async_task(fn: Callable[..., Any]) -> bool:
 def run_awaitable(awaitable: Any) -> Any:
     """Run ``awaitable`` on a new event loop; on a thread of its own when this thread already
     runs a loop (a task called inline from asyncio code)."""
+
+    import asyncio
 
     async def body() -> Any:
         return await awaitable

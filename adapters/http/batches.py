@@ -6,6 +6,8 @@ successful batch wakes the session's parked claim (see :mod:`adapters.http.claim
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import APIRouter
 
 from adapters.http.deps import Ingress, Secret, SessionId
@@ -73,16 +75,21 @@ def completion_of(item: CompleteItem) -> Completion:
     )
 
 
+def item_document(result: ItemResult) -> dict[str, Any]:
+    """One item's result as :class:`ItemResultBody` spells it, as plain JSON values."""
+    return {
+        "attempt_id": result.attempt_id,
+        "status": 200 if result.rejection is None else ITEM_STATUS[result.rejection],
+        "outcome": result.outcome.value if result.outcome else None,
+        "expires_at_ms": result.expires_at_ms,
+        "error": result.rejection.value if result.rejection else None,
+        "reason": result.reason,
+        "message": result.message,
+    }
+
+
 def item_body(result: ItemResult) -> ItemResultBody:
-    return ItemResultBody(
-        attempt_id=result.attempt_id,
-        status=200 if result.rejection is None else ITEM_STATUS[result.rejection],
-        outcome=result.outcome.value if result.outcome else None,
-        expires_at_ms=result.expires_at_ms,
-        error=result.rejection.value if result.rejection else None,
-        reason=result.reason,
-        message=result.message,
-    )
+    return ItemResultBody(**item_document(result))
 
 
 def batch_body(answer: BatchAnswer) -> BatchResponse:

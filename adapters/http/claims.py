@@ -16,14 +16,16 @@ import contextlib
 import logging
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from anyio import to_thread
 from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
 
-from adapters.http.batches import completion_of, item_body
+from adapters.http.batches import completion_of, item_document
 from adapters.http.deps import Ingress, IngressState, Secret, SessionId
 from adapters.http.errors import ERRORS, ApiError, translated
-from adapters.http.schemas import ClaimRequest, ClaimResponse, GrantBody
+from adapters.http.schemas import ClaimRequest, ClaimResponse
 from adapters.http.wake import ClaimTicket, Woken
 from application.worker_commands import ClaimAnswer, Completion, Grant, NoGrant
 
@@ -42,7 +44,7 @@ async def claim(
     body: ClaimRequest,
     request: Request,
     ingress: Ingress,
-) -> ClaimResponse:
+) -> JSONResponse:
     """Record ``completions``, hand back the session's attempts that ``held`` does not name,
     then start up to ``limit`` queued attempts of the session's tasks, fair across tasks. Each
     grant carries its lease token, sent once, here. With ``wait_ms``, wait that long for work
@@ -57,36 +59,41 @@ async def claim(
         last = first
         if _waits(first, body.limit) and body.wait_ms > 0:
             last = await _park(ingress, ticket, request, secret, body.limit, first, deadline)
-    return claim_body(first, last)
+    # Built as plain JSON values: building it as ClaimResponse (which documents it), which the
+    # framework then checks and dumps again, cost about 90 us of the node's CPU for 8 grants and
+    # 8 completions, this about 35 us.
+    return JSONResponse(claim_document(first, last))
 
 
-def claim_body(first: ClaimAnswer, last: ClaimAnswer) -> ClaimResponse:
-    """The answer: what the first transaction recorded, what the last one granted."""
-    return ClaimResponse(
-        now_ms=last.now_ms,
-        status=last.status.value,
-        completed=[item_body(r) for r in first.completed],
-        released=list(first.released),
-        grants=[grant_body(g) for g in last.grants],
-        no_grant=last.no_grant.value if last.no_grant else None,
-        detail=last.detail,
-    )
+def claim_document(first: ClaimAnswer, last: ClaimAnswer) -> dict[str, Any]:
+    """The answer as :class:`ClaimResponse` spells it: what the first transaction recorded,
+    what the last one granted."""
+    return {
+        "now_ms": last.now_ms,
+        "status": last.status.value,
+        "completed": [item_document(r) for r in first.completed],
+        "released": list(first.released),
+        "grants": [grant_document(g) for g in last.grants],
+        "no_grant": last.no_grant.value if last.no_grant else None,
+        "detail": last.detail,
+    }
 
 
-def grant_body(grant: Grant) -> GrantBody:
-    return GrantBody(
-        run_id=grant.run_id,
-        attempt_id=grant.attempt_id,
-        attempt_number=grant.attempt_number,
-        task=grant.task,
-        input=grant.input,
-        generation=grant.generation,
-        version=grant.version,
-        token=grant.token,
-        expires_at_ms=grant.expires_at_ms,
-        idempotency_key=grant.idempotency_key,
-        timeout_ms=grant.timeout_ms,
-    )
+def grant_document(grant: Grant) -> dict[str, Any]:
+    """A grant as :class:`GrantBody` spells it."""
+    return {
+        "run_id": grant.run_id,
+        "attempt_id": grant.attempt_id,
+        "attempt_number": grant.attempt_number,
+        "task": grant.task,
+        "input": grant.input,
+        "generation": grant.generation,
+        "version": grant.version,
+        "token": grant.token,
+        "expires_at_ms": grant.expires_at_ms,
+        "idempotency_key": grant.idempotency_key,
+        "timeout_ms": grant.timeout_ms,
+    }
 
 
 def _waits(answer: ClaimAnswer, limit: int) -> bool:

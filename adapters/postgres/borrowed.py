@@ -140,5 +140,10 @@ class CallerPsycopgUnitOfWork(CallerConnectionUnitOfWork):
                     cursor.execute(sql, params)
                 except psycopg.errors.IntegrityError as error:
                     raise ConcurrencyConflict(f"{label}: {error}") from error
-                answers.append(cursor.fetchall())
+                answers.append(cursor.fetchall() if cursor.description is not None else [])
         return answers
+
+    def execute_savepointed(
+        self, sql: str, params: dict[str, Any], label: str
+    ) -> list[dict[str, Any]]:
+        return self.atomically(lambda: self.execute_pipelined([(sql, params)], label)[0])

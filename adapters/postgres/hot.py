@@ -148,6 +148,12 @@ def store_now_sql(offset_param: str = "clock_offset_ms") -> str:
     )
 
 
+@cache
+def now_sql() -> str:
+    """The store's clock, alone (``now_ms``)."""
+    return f"SELECT {store_now_sql()} AS now_ms"
+
+
 # --- lock ---------------------------------------------------------------------------------------
 
 
@@ -213,10 +219,16 @@ def lock_attempt_params(attempt_id: str, clock_offset_ms: int) -> dict[str, Any]
 
 @cache
 def get_session_sql() -> str:
-    """A session by id (or NULL columns) and the store's clock, in one row."""
+    """A session by id (or NULL columns), the store's clock and the Attempt ids of the session's
+    ``leased`` leases in id order (``ix_run_dispatch_leases_held``; what a claim's ``held``
+    statement is checked against), in one row."""
+    leased = _literal(LeaseStatus.LEASED)
     return (
         f"SELECT {store_now_sql()} AS observed_at,"
-        f" {_select_list(worker_sessions, 'ws', SESSION_PREFIX)}"
+        f" {_select_list(worker_sessions, 'ws', SESSION_PREFIX)},"
+        " ARRAY(SELECT h.attempt_id FROM run_dispatch_leases h"
+        f" WHERE h.holder_session_id = ws.id AND h.status = {leased}"
+        ' ORDER BY h.attempt_id COLLATE "C") AS held'
         " FROM (SELECT 1) one LEFT JOIN worker_sessions ws ON ws.id = %(session_id)s"
     )
 
@@ -254,6 +266,14 @@ SELECT s.locked,
 FROM s"""
 
 
+def _handed_back(alias: str) -> str:
+    """An Attempt handed back and not claimed since (``ix_run_attempts_handed_back``)."""
+    return (
+        f"{alias}.status = {_literal(AttemptStatus.CLAIMED)} AND {alias}.session_id IS NULL"
+        f" AND {alias}.updated_at > {alias}.created_at"
+    )
+
+
 def _claimable_part(handed_back: bool) -> str:
     """One of the two parts of a claim's candidates (as :func:`adapters.sql.statements.
     claimable`), per task named, locked: Attempts never changed since created, from
@@ -266,10 +286,8 @@ def _claimable_part(handed_back: bool) -> str:
         source = (
             "run_attempts a JOIN runs r ON r.id = a.run_id AND r.attempt_count = a.number"
         )
-        part = (
-            f"a.status = {_literal(AttemptStatus.CLAIMED)} AND a.session_id IS NULL"
-            " AND a.updated_at > a.created_at"
-        )
+        # Read only when ``h`` (of :func:`claim_sql`) found any Attempt handed back.
+        part = f"{_handed_back('a')} AND EXISTS (SELECT 1 FROM h WHERE h.any)"
         order = "r.priority DESC, a.created_at, a.run_id"
     else:
         source = "runs r JOIN run_attempts a ON a.run_id = r.id AND a.number = r.attempt_count"
@@ -308,12 +326,15 @@ def claim_sql() -> str:
     :func:`_claimable_part` merged, each
     part read from its index and stopping at the limit, however deep the queue. Each part locks
     up to the limit, so a few more rows than are returned may stay locked until the transaction
-    ends (other claims pass over them). The latest Attempt of a queued Run is pristine (every
-    transition that queues a Run leaves it so); the store checks it, but the statement does
-    not: the planner multiplies the selectivities of the six columns a pristine Attempt has
-    NULL, which in a long history all vary together, and concluding that almost no queued Run
-    qualifies it would read every pristine Attempt and sort them instead of reading the few
-    first entries of an index.
+    ends (other claims pass over them). ``h`` says whether any Attempt is handed back (one probe
+    of its index): a generic plan may read the handed-back part from the task's queued Runs
+    (estimated at one row, they are the whole queue), probing each for a handed-back Attempt, so
+    that part runs only when there is one, which is seldom. The latest Attempt of a queued Run
+    is pristine (every transition that queues a Run leaves it so); the store checks it, but the
+    statement does not: the planner multiplies the selectivities of the six columns a pristine
+    Attempt has NULL, which in a long history all vary together, and concluding that almost no
+    queued Run qualifies it would read every pristine Attempt and sort them instead of reading
+    the few first entries of an index.
 
     No advisory lock is taken: the Attempts locked here are pristine Attempts of ``queued`` Runs,
     which runtime recovery (non-pristine Attempts of dispatching, running or lost Runs) and lost
@@ -334,6 +355,9 @@ g AS MATERIALIZED (
     SELECT {_select_list(dispatch_gate, "dg", GATE_PREFIX, skip=("id",))}
     FROM dispatch_gate dg
     WHERE dg.id = {DISPATCH_GATE_ID}
+),
+h AS MATERIALIZED (
+    SELECT EXISTS (SELECT 1 FROM run_attempts hb WHERE {_handed_back("hb")}) AS any
 ),
 fresh AS MATERIALIZED ({_claimable_part(False)}
 ),

@@ -21,11 +21,13 @@ trip, and a commit that puts a Run into ``queued`` notifies
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, cast
 
 import psycopg
+from psycopg import RawCursor
 from psycopg.rows import dict_row
 from sqlalchemy import Connection, Engine, text
 from sqlalchemy.engine import make_url
@@ -128,6 +130,51 @@ def _driver_url(url: str) -> str:
     return parsed.render_as_string(hide_password=False)
 
 
+# --- plain SQL ----------------------------------------------------------------------------------
+#
+# The hot statements are written with ``%(name)s`` parameters. The driver parses such a text
+# again on every execution when it is longer than it caches (4,096 characters, which a claim's
+# and a batch's statements are), so each text is turned into ``$n`` placeholders once, here, and
+# executed by a cursor that passes it as it is.
+
+_PLACEHOLDER = re.compile(r"%\((\w+)\)s|%%")
+_POSITIONAL: dict[str, tuple[str, tuple[str, ...]]] = {}
+_POSITIONAL_LIMIT = 512
+
+
+def _to_positional(sql: str) -> tuple[str, tuple[str, ...]]:
+    """``sql`` with ``$n`` placeholders, and the parameter name of each ``n``."""
+    names: list[str] = []
+
+    def placeholder(match: re.Match[str]) -> str:
+        name = match.group(1)
+        if name is None:
+            return "%"
+        if name not in names:
+            names.append(name)
+        return f"${names.index(name) + 1}"
+
+    return _PLACEHOLDER.sub(placeholder, sql), tuple(names)
+
+
+def _positional(sql: str, params: dict[str, Any]) -> tuple[str, list[Any]]:
+    converted = _POSITIONAL.get(sql)
+    if converted is None:
+        if len(_POSITIONAL) >= _POSITIONAL_LIMIT:
+            _POSITIONAL.clear()
+        converted = _POSITIONAL[sql] = _to_positional(sql)
+    text_, names = converted
+    return text_, [params[name] for name in names]
+
+
+def _rows(cursor: RawCursor[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows of a cursor's statement; none for a command that returns none."""
+    return cursor.fetchall() if cursor.description is not None else []
+
+
+_SAVEPOINT = "ql3_statement"
+
+
 # --- unit of work ------------------------------------------------------------------------------
 
 
@@ -151,6 +198,7 @@ class PostgresUnitOfWork(ConnectionTransaction):
         # Attempt's stop reports, the clock), served to the next reads until anything is written.
         self._seen_sessions: dict[str, WorkerSession | None] = {}
         self._seen_reports: dict[str, tuple[StopReport, ...]] = {}
+        self._seen_held: dict[str, tuple[str, ...]] = {}  # a session's leased Attempts
         self._seen_now_ms: int | None = None
         self._seen_at_offset_ms = 0  # the clock offset that reading was taken at
         # Set when a write was refused after part of it may have been applied: the transaction
@@ -186,8 +234,9 @@ class PostgresUnitOfWork(ConnectionTransaction):
     def now_ms(self) -> int:
         if self._seen_now_ms is not None and self._seen_at_offset_ms == self.clock_offset_ms:
             return self._seen_now_ms
-        value = self.connection.execute(queries.now_statement(self.clock_offset_ms)).scalar_one()
-        return int(value)
+        params = {"clock_offset_ms": self.clock_offset_ms}
+        (row,) = self.execute_sql(hot.now_sql(), params, "read the clock")
+        return int(row["now_ms"])
 
     def commit(self) -> None:
         if self._broken is not None:
@@ -208,18 +257,23 @@ class PostgresUnitOfWork(ConnectionTransaction):
         driver = self.connection.connection.driver_connection
         if driver is None:
             raise RuntimeError("the unit of work has no open connection")
+        self._seen_held = {}
         try:
             if len(statements) == 1:
                 sql, params = statements[0]
-                with driver.cursor(row_factory=dict_row) as cursor:
-                    cursor.execute(sql, params)
-                    return [cursor.fetchall()]
-            cursors = [driver.cursor(row_factory=dict_row) for _ in statements]
+                with RawCursor(driver, row_factory=dict_row) as cursor:
+                    cursor.execute(*_positional(sql, params))
+                    return [_rows(cursor)]
+            cursors = [RawCursor(driver, row_factory=dict_row) for _ in statements]
             try:
                 with driver.pipeline():
                     for cursor, (sql, params) in zip(cursors, statements, strict=True):
-                        cursor.execute(sql, params)
-                return [cursor.fetchall() for cursor in cursors]
+                        # A command without parameters (a savepoint's) is never prepared: one
+                        # prepared after a statement that fails in the same pipeline would be
+                        # skipped, and the driver would take it for prepared all the same.
+                        prepare = None if params else False
+                        cursor.execute(*_positional(sql, params), prepare=prepare)
+                return [_rows(cursor) for cursor in cursors]
             finally:
                 for cursor in cursors:
                     cursor.close()
@@ -240,6 +294,31 @@ class PostgresUnitOfWork(ConnectionTransaction):
                 dialect=dialect,
             ) from error
 
+    def execute_savepointed(
+        self, sql: str, params: dict[str, Any], label: str
+    ) -> list[dict[str, Any]]:
+        """One plain statement under a savepoint, all of it or none, the transaction usable
+        after a refusal: the savepoint, the statement and the savepoint's release travel in one
+        round trip (a refused statement skips the release, and the savepoint is rolled back
+        after it)."""
+        statements = [
+            (f"SAVEPOINT {_SAVEPOINT}", {}),
+            (sql, params),
+            (f"RELEASE SAVEPOINT {_SAVEPOINT}", {}),
+        ]
+        try:
+            return self.execute_pipelined(statements, label)[1]
+        except DBAPIError:
+            undo: list[tuple[str, dict[str, Any]]] = [
+                (f"ROLLBACK TO SAVEPOINT {_SAVEPOINT}", {}),
+                (f"RELEASE SAVEPOINT {_SAVEPOINT}", {}),
+            ]
+            try:
+                self.execute_pipelined(undo, f"undo {label}")
+            except DBAPIError:
+                self.break_transaction(f"{label}: its savepoint could not be rolled back")
+            raise
+
     def remember(
         self,
         sessions: dict[str, WorkerSession | None],
@@ -259,7 +338,20 @@ class PostgresUnitOfWork(ConnectionTransaction):
     def forget(self) -> None:
         self._seen_sessions = {}
         self._seen_reports = {}
+        self._seen_held = {}
         self._seen_now_ms = None
+
+    def execute(self, statement: Executable) -> Any:
+        self._seen_held = {}
+        return super().execute(statement)
+
+    def remember_held(self, session_id: str, attempt_ids: tuple[str, ...]) -> None:
+        """The Attempts a session's ``leased`` leases name, as the statement just run read
+        them; served by :meth:`seen_held` until the next statement."""
+        self._seen_held = {session_id: attempt_ids}
+
+    def seen_held(self, session_id: str) -> tuple[str, ...] | None:
+        return self._seen_held.get(session_id)
 
     def seen_session(self, session_id: str) -> tuple[bool, WorkerSession | None]:
         if session_id in self._seen_sessions:
@@ -432,11 +524,8 @@ class PostgresRunRepository(SqlRunRepository[PostgresUnitOfWork]):
         batch = add_many_statement(changes)
         what = f"{len(changes)} admitted runs"
 
-        def write() -> Any:
-            with _conflicts_translated(what):
-                return uow.execute_sql(hot.add_many_sql(), batch.params, "add runs")[0]
-
-        result = uow.atomically(write)
+        with _conflicts_translated(what):
+            result = uow.execute_savepointed(hot.add_many_sql(), batch.params, "add runs")[0]
         if not batch.all_written(result):
             uow.break_transaction(f"{what} were not all written")
             raise ConcurrencyConflict(f"{what} were not all written")
@@ -532,7 +621,14 @@ class PostgresSessionRegistry(SqlSessionRegistry[PostgresUnitOfWork]):
         uow.remember_clock(int(row["observed_at"]))
         if row[f"{hot.SESSION_PREFIX}id"] is None:
             return None
+        uow.remember_held(session_id, tuple(row["held"]))
         return rows.session_from_row(row, hot.SESSION_PREFIX)
+
+    def held_by(self, session_id: str) -> Sequence[str]:
+        """As read with the session by :meth:`get` when no statement ran since (a claim asks
+        right after authenticating), else read now."""
+        seen = self._uow.seen_held(session_id)
+        return seen if seen is not None else super().held_by(session_id)
 
 
 class PostgresEvidenceRepository(SqlEvidenceRepository[PostgresUnitOfWork]):

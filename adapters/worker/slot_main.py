@@ -9,7 +9,6 @@ the answer then says ``cancelled``. A signal that comes when no async task runs 
 
 from __future__ import annotations
 
-import asyncio
 import ctypes
 import json
 import os
@@ -32,7 +31,9 @@ def _ignore(_signum: int, _frame: object) -> None:
 
 
 def run_cancellable(awaitable: Any) -> Any:
-    """Run an async task on a new event loop, cancelled by :data:`CANCEL_SIGNAL`."""
+    """Run an async task on a new event loop, cancelled by :data:`CANCEL_SIGNAL`. asyncio is
+    imported here, by the first async task: most children never need it."""
+    import asyncio
 
     async def body() -> Any:
         task = asyncio.ensure_future(awaitable)

@@ -3,11 +3,13 @@ gate, the dispatch wake-ups, and what a claim costs in statements."""
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Iterator
 from typing import Any
 
 import psycopg
+import psycopg.sql
 import pytest
 from sqlalchemy import event
 
@@ -284,6 +286,54 @@ def test_commits_that_queue_a_run_notify_the_dispatch_channel(
     assert _heard(listener, 5.0) == [DISPATCH_CHANNEL]
 
 
+def _generic_plan_rows(store: PostgresStore, sql: str, params: dict[str, Any]) -> Any:
+    """The executed generic plan of ``sql`` (as the store's connections run a prepared
+    statement: ``plan_cache_mode = force_generic_plan``), in a transaction rolled back after."""
+    names: list[str] = []
+
+    def placeholder(match: re.Match[str]) -> str:
+        if match.group(1) not in names:
+            names.append(match.group(1))
+        return f"${names.index(match.group(1)) + 1}"
+
+    prepared = re.sub(r"%\((\w+)\)s", placeholder, sql)
+    with psycopg.connect(_plain_url(store.engine.url.render_as_string(False))) as conn:
+        conn.execute("SET plan_cache_mode = force_generic_plan")
+        conn.execute(psycopg.sql.SQL("PREPARE ql3_plan AS {}").format(psycopg.sql.SQL(prepared)))
+        arguments = psycopg.sql.SQL(", ").join(psycopg.sql.Literal(params[n]) for n in names)
+        explain = psycopg.sql.SQL("EXPLAIN (ANALYZE, FORMAT JSON) EXECUTE ql3_plan({})")
+        row = conn.execute(explain.format(arguments)).fetchone()
+        conn.rollback()
+    assert row is not None
+    return row[0][0]["Plan"]
+
+
+def _rows_read_from(plan: dict[str, Any], index: str) -> int:
+    found = 0
+    pending = [plan]
+    while pending:
+        node = pending.pop()
+        if node.get("Index Name") == index:
+            found += int(node["Actual Rows"]) * int(node["Actual Loops"])
+        pending.extend(node.get("Plans", ()))
+    return found
+
+
+def test_a_claim_reads_no_more_of_the_queue_than_it_takes(
+    store: PostgresStore, commands: WorkerCommands
+) -> None:
+    from adapters.postgres import hot
+
+    _admit(store, 60)
+    session = commands.register("w1", 8, [TASK])
+    plan = _generic_plan_rows(
+        store, hot.claim_sql(), hot.claim_params(session.session_id, [TASK], 8, 0)
+    )
+    # Eight from the index of claimable Runs for the never-changed part, and none for the
+    # handed-back part while no Attempt is handed back: it used to read the whole queue there.
+    assert _rows_read_from(plan, "ix_runs_claimable") == 8
+
+
 # --- what a claim costs ------------------------------------------------------------------------
 
 
@@ -333,12 +383,18 @@ def test_a_claim_with_completions_and_grants_is_four_round_trips_and_one_write(
     assert len(first.grants) == 8
     log.clear()
     answer = commands.claim(
-        session.session_id, session.secret, limit=8, completions=_completions(first.grants)
+        session.session_id,
+        session.secret,
+        limit=8,
+        completions=_completions(first.grants),
+        held=[g.attempt_id for g in first.grants],
     )
     assert [r.ok for r in answer.completed] == [True] * 8 and len(answer.grants) == 8
-    # One statement each: the session with the clock (authentication), the completed Attempts'
-    # locks, the claim's locks (two statements in one round trip), and every write together
-    # (behind the setting that keeps its plan on the keys' indexes, in the same round trip).
+    assert answer.released == ()
+    # One statement each: the session with the clock and its leased Attempts (authentication,
+    # and what the ``held`` statement is checked against), the completed Attempts' locks, the
+    # claim's locks (two statements in one round trip), and every write together (behind the
+    # setting that keeps its plan on the keys' indexes, in the same round trip).
     assert log.core == []
     assert log.hot == [
         ("get session", 1),
@@ -397,7 +453,8 @@ def test_an_admitted_batch_is_one_statement(store: PostgresStore, log: Statement
         )
         log.clear()
         uow.runs.add_many(changes)
-        assert log.hot == [("add runs", 1)]
+        # The statement, with the savepoint and its release in the same round trip.
+        assert log.hot == [("add runs", 3)]
         uow.commit()
     with store.unit_of_work() as uow:
         for change in changes:
