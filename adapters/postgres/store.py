@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import psycopg
 from psycopg.rows import dict_row
-from sqlalchemy import Connection, Engine, text
+from sqlalchemy import Connection, Engine
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.sql import Executable
@@ -596,7 +596,8 @@ class PostgresStore:
     def testing_reset(self) -> None:
         """Empty every table and put the clock offset back to zero."""
         with self.engine.begin() as connection:
-            connection.execute(text(queries.truncate_all()))
+            for statement in queries.empty_all():
+                connection.execute(statement)
         self._clock_offset_ms = 0
 
     # candidate sources: one statement each, in its own short transaction
