@@ -48,6 +48,7 @@ from adapters.sql import statements
 from adapters.sql.schema import (
     ALL_TABLES,
     EpochMillis,
+    dispatch_gate,
     metadata,
     run_attempts,
     run_dispatch_leases,
@@ -261,11 +262,39 @@ def orphaned_runs_query(limit: int, clock_offset_ms: int = 0) -> Select:
 # --- maintenance -------------------------------------------------------------------------------
 
 
-def empty_all() -> list[Executable]:
-    """DELETE every row, children before parents, restart the sequences the tables own (what
-    ``TRUNCATE ... RESTART IDENTITY`` restarts), then put the dispatch gate's one row back, open
-    (test hook). Deleting the few rows a test leaves costs a small part of a ``TRUNCATE``, which
-    replaces each table's files."""
+# A reset deletes the rows when the tables hold at most this many together (what a test
+# leaves: a DELETE of a few rows costs a small part of a TRUNCATE, which replaces each table's
+# files), and truncates them when they hold more (a loaded history, which deleting row by row
+# would take seconds over).
+DELETE_AT_MOST_ROWS = 2_000
+
+
+def rows_up_to(bound: int) -> Select:
+    """How many rows the tables hold together, counting at most ``bound`` of each (test hook)."""
+    counts = []
+    for table in ALL_TABLES:
+        some = select(literal_column("1")).select_from(table).limit(bound).subquery()
+        counts.append(select(func.count()).select_from(some).scalar_subquery())
+    total: ColumnElement[Any] = counts[0]
+    for count in counts[1:]:
+        total = total + count
+    return select(total)
+
+
+def truncate_all() -> str:
+    """TRUNCATE every table of the schema, then put the dispatch gate's one row back, open (test
+    hook; two statements, run without parameters)."""
+    names = ", ".join(table.name for table in ALL_TABLES)
+    return (
+        f"TRUNCATE TABLE {names} RESTART IDENTITY CASCADE;"
+        f" INSERT INTO {dispatch_gate.name} (id, open) VALUES (1, true)"
+    )
+
+
+def delete_all() -> list[Executable]:
+    """What :func:`truncate_all` does, by DELETE: every row, children before parents, the
+    sequences the tables own restarted (what ``RESTART IDENTITY`` restarts), the dispatch gate's
+    one row put back, open (test hook)."""
     tables = ", ".join(f"'{table.name}'" for table in ALL_TABLES)
     restart = text(
         "DO $$DECLARE owned regclass; BEGIN"

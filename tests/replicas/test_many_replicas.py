@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 from sqlalchemy.engine import make_url
 
-from adapters.postgres.store import PostgresStore
+from adapters.postgres.queries import truncate_all
 from tests.postgres_server import PostgresServer, connect
 from tests.replicas.seeding import (
     clone_runs,
@@ -44,11 +44,8 @@ REPLICA_TIMEOUT_S = 180.0
 
 
 def _reset(url: str) -> None:
-    store = PostgresStore.from_url(url)
-    try:
-        store.testing_reset()
-    finally:
-        store.close()
+    with connect(url) as conn:
+        conn.execute(truncate_all())
 
 
 def _seed(url: str) -> tuple[list[str], float]:
