@@ -32,6 +32,7 @@ def test_module_database_is_a_fresh_clone_of_the_template(
 
     with connect(pg_database_url) as conn:
         conn.execute("CREATE TABLE fixture_probe (id integer PRIMARY KEY)")
+        assert conn.execute("SHOW synchronous_commit").fetchone() == ("off",)
 
     # Another module's database, cloned from the same template, does not see this module's table.
     other = random_name("ql3_test_")

@@ -32,6 +32,7 @@ from sqlalchemy import (
     Text,
     Update,
     bindparam,
+    delete,
     func,
     literal_column,
     select,
@@ -40,6 +41,7 @@ from sqlalchemy import (
     type_coerce,
 )
 from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.sql.base import Executable
 from sqlalchemy.sql.elements import BindParameter
 
 from adapters.sql import statements
@@ -47,11 +49,13 @@ from adapters.sql.schema import (
     ALL_TABLES,
     EpochMillis,
     dispatch_gate,
+    metadata,
     run_attempts,
     run_dispatch_leases,
     runs,
 )
 from adapters.sql.statements import Spelling, attempt_columns, lease_columns, run_columns
+from application.ports import OPEN_GATE
 from domain.dispatch import TaskLimit
 from domain.model import DispatchLease, RunOwner, RunStatus
 
@@ -258,6 +262,25 @@ def orphaned_runs_query(limit: int, clock_offset_ms: int = 0) -> Select:
 # --- maintenance -------------------------------------------------------------------------------
 
 
+# A reset deletes the rows when the tables hold at most this many together (what a test
+# leaves: a DELETE of a few rows costs a small part of a TRUNCATE, which replaces each table's
+# files), and truncates them when they hold more (a loaded history, which deleting row by row
+# would take seconds over).
+DELETE_AT_MOST_ROWS = 2_000
+
+
+def rows_up_to(bound: int) -> Select:
+    """How many rows the tables hold together, counting at most ``bound`` of each (test hook)."""
+    counts = []
+    for table in ALL_TABLES:
+        some = select(literal_column("1")).select_from(table).limit(bound).subquery()
+        counts.append(select(func.count()).select_from(some).scalar_subquery())
+    total: ColumnElement[Any] = counts[0]
+    for count in counts[1:]:
+        total = total + count
+    return select(total)
+
+
 def truncate_all() -> str:
     """TRUNCATE every table of the schema, then put the dispatch gate's one row back, open (test
     hook; two statements, run without parameters)."""
@@ -266,6 +289,25 @@ def truncate_all() -> str:
         f"TRUNCATE TABLE {names} RESTART IDENTITY CASCADE;"
         f" INSERT INTO {dispatch_gate.name} (id, open) VALUES (1, true)"
     )
+
+
+def delete_all() -> list[Executable]:
+    """What :func:`truncate_all` does, by DELETE: every row, children before parents, the
+    sequences the tables own restarted (what ``RESTART IDENTITY`` restarts), the dispatch gate's
+    one row put back, open (test hook)."""
+    tables = ", ".join(f"'{table.name}'" for table in ALL_TABLES)
+    restart = text(
+        "DO $$DECLARE owned regclass; BEGIN"
+        " FOR owned IN SELECT d.objid::regclass FROM pg_depend d"
+        " JOIN pg_class c ON c.oid = d.objid AND c.relkind = 'S'"
+        f" WHERE d.refobjid = ANY (ARRAY[{tables}]::regclass[]) AND d.deptype IN ('a', 'i')"
+        " LOOP EXECUTE format('ALTER SEQUENCE %s RESTART', owned); END LOOP; END$$"
+    )
+    return [
+        *(delete(table) for table in reversed(metadata.sorted_tables) if table in ALL_TABLES),
+        restart,
+        statements.insert_gate(OPEN_GATE),
+    ]
 
 
 def upsert_task_limit(limit: TaskLimit) -> Insert:

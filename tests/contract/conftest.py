@@ -49,6 +49,10 @@ STORES = [
 ]
 
 
+# The databases whose migrations a store of this suite has run.
+_MIGRATED: set[str] = set()
+
+
 @pytest.fixture(params=STORES)
 def store(request: pytest.FixtureRequest) -> Iterator[Any]:
     yield from open_store(request.param, request)
@@ -76,7 +80,9 @@ def open_store(kind: str, request: pytest.FixtureRequest) -> Iterator[Any]:
     url: str = request.getfixturevalue("pg_database_url")
     from adapters.postgres.store import PostgresStore
 
-    postgres = PostgresStore.from_url(url, create_schema=True)
+    # The migrations run on the first store of each database; the later ones find them done.
+    postgres = PostgresStore.from_url(url, create_schema=url not in _MIGRATED)
+    _MIGRATED.add(url)
     try:
         postgres.testing_reset()
         yield postgres

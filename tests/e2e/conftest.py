@@ -11,6 +11,7 @@ PostgreSQL database, a side-effect ledger, and the services to submit and inspec
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
@@ -18,7 +19,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, redirect_stderr, redirect_stdout
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ import pytest
 from psycopg import sql
 from sqlalchemy.engine import make_url
 
+from adapters.cli.main import main as cli_main
 from application.queries import RunQueries
 from bootstrap import cluster as cluster_root
 from tests.postgres_server import connect, random_name
@@ -83,6 +85,25 @@ class Process:
 
     def output(self) -> str:
         return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+
+def run_ql3(argv: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """``ql3 ARGV`` run in this process, with ``env`` added to the environment: the status the
+    console script exits with (what ``main`` returns) and what it printed. A client command
+    only reads and writes the database; the nodes and workers are the real processes."""
+    out, err = io.StringIO(), io.StringIO()
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        with redirect_stdout(out), redirect_stderr(err):
+            code = cli_main(argv)
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+    return subprocess.CompletedProcess(["ql3", *argv], code, out.getvalue(), err.getvalue())
 
 
 def listening_url(process: Process) -> str:
@@ -185,14 +206,8 @@ class Cluster:
         )
 
     def ql3(self, *argv: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "adapters.cli.main", *argv],
-            cwd=PROJECT_ROOT,
-            capture_output=True,
-            text=True,
-            timeout=60,
-            env={**os.environ, "QL3_DATABASE_URL": self.database_url},
-        )
+        """A client command on the cluster's database: its exit status and output."""
+        return run_ql3(list(argv), {"QL3_DATABASE_URL": self.database_url})
 
     def stop_all(self) -> None:
         for process in reversed(self.processes):

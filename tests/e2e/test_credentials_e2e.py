@@ -146,6 +146,9 @@ def test_b_rotation_under_load_loses_no_claim(secure: SecureCluster, ledger: Led
     workers = {w: secure.start_credentialed_worker("b", w, ledger, old["secret"])
                for w in ("rot-1", "rot-2")}
     runs = [secure.submit("b.sleep", {"seconds": 0.05}) for _ in range(40)]
+    # Under load: both work under the old credential when it is rotated.
+    wait_for(lambda: all("registered session" in p.output() for p in workers.values()), 30,
+             "the workers to register")
     new = secure.issue("rotate", old["id"])
     assert new["worker_pattern"] == "rot-*" and new["rotates_id"] == old["id"]
     for worker_id, process in list(workers.items()):

@@ -8,11 +8,8 @@ log."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,7 +19,14 @@ import pytest
 from sqlalchemy.engine import make_url
 
 from domain.policy import Backoff, RetryPolicy, Safety
-from tests.e2e.conftest import CADENCE_S, LEASE_TTL_S, PROJECT_ROOT, Cluster, Ledger, wait_for
+from tests.e2e.conftest import (
+    CADENCE_S,
+    LEASE_TTL_S,
+    Cluster,
+    Ledger,
+    run_ql3,
+    wait_for,
+)
 from tests.postgres_server import random_name
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow]
@@ -103,22 +107,9 @@ class JsonCluster(Cluster):
 def json_cluster(pg_database_url: str, tmp_path: Path) -> Iterator[JsonCluster]:
     built = JsonCluster(database_url=pg_database_url, workdir=tmp_path)
     role = random_name("ql3_ops_ingress_")
-    granted = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "adapters.cli.main",
-            "db",
-            "grant-ingress",
-            role,
-            "--password-env",
-            "QL3_TEST_INGRESS_PW",
-        ],
-        cwd=PROJECT_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ, "QL3_DATABASE_URL": pg_database_url, "QL3_TEST_INGRESS_PW": PASSWORD},
+    granted = run_ql3(
+        ["db", "grant-ingress", role, "--password-env", "QL3_TEST_INGRESS_PW"],
+        {"QL3_DATABASE_URL": pg_database_url, "QL3_TEST_INGRESS_PW": PASSWORD},
     )
     assert granted.returncode == 0, granted.stderr
     built.roles.append(role)
