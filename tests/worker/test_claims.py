@@ -153,6 +153,7 @@ def test_drain_hands_back_grants_that_never_reached_a_slot() -> None:
 
     def drain_before_the_answer(command: str, body: Any, answer: Any) -> None:
         if command == "claim" and answer["grants"]:
+            node.wait_for(lambda: bool(holder))  # the first answer may come before _start returns
             worker = holder[0].worker
             worker.request_drain()
             node.wait_for(lambda: worker.ledger.mode is Mode.DRAINING)
