@@ -47,6 +47,7 @@ from sqlalchemy.dialects import postgresql
 from adapters.postgres.batch import ADDED, JsonRows, queues_a_run
 from adapters.postgres.queries import ADVISORY_LOCK_NAMESPACE, DISPATCH_CHANNEL
 from adapters.sql import rows
+from adapters.sql.merge import merge_by_run
 from adapters.sql.schema import (
     DISPATCH_GATE_ID,
     EpochMillis,
@@ -276,12 +277,13 @@ def _handed_back(alias: str) -> str:
 
 def _claimable_part(handed_back: bool) -> str:
     """One of the two parts of a claim's candidates (as
-    :func:`adapters.sql.sqlite.hot.claimable_sql` on SQLite), per task named, locked: Attempts never changed since created, from
-    ``ix_runs_claimable`` by their Runs' ``updated_at``; or Attempts handed back, from
-    ``ix_run_attempts_handed_back`` by their own ``created_at``. Both the Run's highest
-    priority first, then in the order of the Attempts' age: the first part in the order of its
-    index, which it reads only as far as its limit however deep the queue and however its
-    priorities mix; the second sorts the handed-back Attempts, which are few at any time."""
+    :func:`adapters.sql.sqlite.hot.claimable_sql` on SQLite), per task named, locked: Attempts
+    never changed since created, from ``ix_runs_claimable`` by their Runs' ``updated_at``; or
+    Attempts handed back, from ``ix_run_attempts_handed_back`` by their own ``created_at``.
+    Both the Run's highest priority first, then in the order of the Attempts' age: the first
+    part in the order of its index, which it reads only as far as its limit however deep the
+    queue and however its priorities mix; the second sorts the handed-back Attempts, which are
+    few at any time."""
     if handed_back:
         source = (
             "run_attempts a JOIN runs r ON r.id = a.run_id AND r.attempt_count = a.number"
@@ -756,47 +758,9 @@ def apply_many_statement(writes: Sequence[tuple[Any, Any]]) -> ApplyMany:
     merged: the first write's ``before`` is the fence, the last one's result is written, and
     every event is appended in order. A later change must start from the earlier one's result."""
     batch = ApplyMany()
-    groups: dict[str, dict[str, Any]] = {}
-    for before, change in writes:
-        run_id = before.run.id
-        if change.run.id != run_id:
-            raise ValueError(f"change of run {change.run.id} applied to run {run_id}")
-        group = groups.get(run_id)
-        if group is None:
-            group = groups[run_id] = {
-                "before_run": before.run,
-                "run": before.run,
-                "attempts": {},
-                "leases": {},
-                "events": [],
-            }
-        elif before.run != group["run"]:
-            raise ValueError(f"run {run_id}: a change does not start from the one before it")
-        group["run"] = change.run
-        for attempt in change.attempts:
-            slot = group["attempts"].get(attempt.id)
-            if slot is None:
-                first = (
-                    before.attempt
-                    if (before.attempt is not None and before.attempt.id == attempt.id)
-                    else None
-                )
-                group["attempts"][attempt.id] = [first, attempt]
-            else:
-                slot[1] = attempt
-        lease = change.lease
-        if lease is not None:
-            key = (lease.run_id, lease.generation)
-            slot = group["leases"].get(key)
-            if slot is None:
-                old = before.lease
-                first = old if old is not None and (old.run_id, old.generation) == key else None
-                group["leases"][key] = [first, lease]
-            else:
-                slot[1] = lease
-        group["events"].append(change.event)
-    for group in groups.values():
-        first_run, last_run = group["before_run"], group["run"]
+    merged = merge_by_run(writes, out_of_order=ValueError)
+    for group in merged.runs.values():
+        first_run, last_run = group.before, group.run
         if queues_a_run(last_run):
             batch.notify = True
         if last_run != first_run:
@@ -806,32 +770,35 @@ def apply_many_statement(writes: Sequence[tuple[Any, Any]]) -> ApplyMany:
                 {"status": first_run.status.value, "attempt_count": first_run.attempt_count},
                 rows.run_values(last_run),
             )
-        for first, last in group["attempts"].values():
-            if first is None:
-                batch.insert("new_attempts", rows.attempt_values(last))
+        for attempt in group.attempts.values():
+            if attempt.first is None:
+                batch.insert("new_attempts", rows.attempt_values(attempt.last))
             else:
                 batch.update(
                     "attempts",
                     ("id",),
-                    {"status": first.status.value, "lease_version": first.lease_version},
-                    rows.attempt_values(last),
+                    {
+                        "status": attempt.first.status.value,
+                        "lease_version": attempt.first.lease_version,
+                    },
+                    rows.attempt_values(attempt.last),
                 )
-        for first, last in group["leases"].values():
-            if first is None:
-                batch.insert("new_leases", rows.lease_values(last))
-            elif last != first:
+        for lease in group.leases.values():
+            if lease.first is None:
+                batch.insert("new_leases", rows.lease_values(lease.last))
+            elif lease.last != lease.first:
                 batch.update(
                     "leases",
                     ("run_id", "generation"),
                     {
-                        "version": first.version,
-                        "status": first.status.value,
-                        "token_hash": first.token_hash,
+                        "version": lease.first.version,
+                        "status": lease.first.status.value,
+                        "token_hash": lease.first.token_hash,
                     },
-                    rows.lease_values(last),
+                    rows.lease_values(lease.last),
                 )
-        for event in group["events"]:
-            batch.insert("events", rows.event_values(event))
+    for event in merged.events:
+        batch.insert("events", rows.event_values(event))
     return batch
 
 

@@ -31,6 +31,7 @@ from typing import Any
 from sqlalchemy import JSON, Table
 
 from adapters.sql import rows
+from adapters.sql.merge import merge_by_run
 from adapters.sql.schema import (
     DISPATCH_GATE_ID,
     dispatch_gate,
@@ -332,68 +333,37 @@ class ApplyMany:
         self._add("insert", table, tuple(values), _encoded(_TABLES[table], values), what)
 
     def _merge(self, writes: Sequence[tuple[Any, Any]]) -> None:
-        groups: dict[str, dict[str, Any]] = {}
-        events = []
-        for before, change in writes:
-            run_id = before.run.id
-            if change.run.id != run_id:
-                raise ValueError(f"change of run {change.run.id} applied to run {run_id}")
-            group = groups.get(run_id)
-            if group is None:
-                group = groups[run_id] = {
-                    "before_run": before.run,
-                    "run": before.run,
-                    "attempts": {},
-                    "leases": {},
-                }
-            elif before.run != group["run"]:
-                raise ConcurrencyConflict(f"run {run_id} changed since it was read")
-            group["run"] = change.run
-            for attempt in change.attempts:
-                slot = group["attempts"].get(attempt.id)
-                if slot is None:
-                    old = before.attempt
-                    first = old if old is not None and old.id == attempt.id else None
-                    group["attempts"][attempt.id] = [first, attempt]
-                else:
-                    slot[1] = attempt
-            lease = change.lease
-            if lease is not None:
-                key = (lease.run_id, lease.generation)
-                slot = group["leases"].get(key)
-                if slot is None:
-                    old = before.lease
-                    first = old if old is not None and (old.run_id, old.generation) == key else None
-                    group["leases"][key] = [first, lease]
-                else:
-                    slot[1] = lease
-            events.append(change.event)
-        for run_id, group in groups.items():
-            first_run, last_run = group["before_run"], group["run"]
+        merged = merge_by_run(writes, out_of_order=ConcurrencyConflict)
+        for run_id, group in merged.runs.items():
+            first_run, last_run = group.before, group.run
             if last_run.status in CLAIMABLE_RUN_STATUSES:
                 self.queues = True
             if last_run != first_run:
                 self._update(
                     "runs", rows.run_values(first_run), rows.run_values(last_run), f"run {run_id}"
                 )
-            for first, last in group["attempts"].values():
+            for attempt in group.attempts.values():
+                last = attempt.last
                 what = f"attempt {last.id}"
-                if first is None:
+                if attempt.first is None:
                     self._insert("run_attempts", rows.attempt_values(last), what)
                 else:
                     self._update(
-                        "run_attempts", rows.attempt_values(first), rows.attempt_values(last), what
-                    )
-            for first, last in group["leases"].values():
-                what = f"lease {last.run_id}/{last.generation}"
-                if first is None:
-                    self._insert("run_dispatch_leases", rows.lease_values(last), what)
-                elif last != first:
-                    self._update(
-                        "run_dispatch_leases",
-                        rows.lease_values(first),
-                        rows.lease_values(last),
+                        "run_attempts",
+                        rows.attempt_values(attempt.first),
+                        rows.attempt_values(last),
                         what,
                     )
-        for event in events:
+            for lease in group.leases.values():
+                what = f"lease {lease.last.run_id}/{lease.last.generation}"
+                if lease.first is None:
+                    self._insert("run_dispatch_leases", rows.lease_values(lease.last), what)
+                elif lease.last != lease.first:
+                    self._update(
+                        "run_dispatch_leases",
+                        rows.lease_values(lease.first),
+                        rows.lease_values(lease.last),
+                        what,
+                    )
+        for event in merged.events:
             self._insert("run_events", rows.event_values(event), f"event of run {event.run_id}")
