@@ -16,12 +16,16 @@ from __future__ import annotations
 
 import os
 import secrets
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import psycopg
+import pytest
 from psycopg import sql
 from sqlalchemy.engine import URL, make_url
 
+from adapters.postgres.migrate import upgrade
 from benchmarks.private_server import (
     DRIVER,
     LOCAL_HOST,
@@ -192,3 +196,24 @@ def user_tables(url: str) -> frozenset[str]:
             " AND table_schema NOT IN ('pg_catalog', 'information_schema')"
         ).fetchall()
     return frozenset(str(row[0]) for row in rows)
+
+
+@contextmanager
+def private_database(name: str) -> Iterator[tuple[PrivateServer, str]]:
+    """A private server of the tests' own (which they may stop and start) holding the migrated
+    database ``name``: the server and the database's URL. The tests are skipped when no private
+    server can be started (no PostgreSQL binaries)."""
+    try:
+        private = start_private_server()
+    except ServerUnavailable as error:
+        pytest.skip(f"no private PostgreSQL server: {error}")
+    try:
+        url = URL.create(
+            DRIVER, username=LOCAL_USER, host=LOCAL_HOST, port=private.port, database=name
+        ).render_as_string(hide_password=False)
+        with connect(private.admin_url) as admin:
+            admin.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+        upgrade(url)
+        yield private, url
+    finally:
+        private.stop()

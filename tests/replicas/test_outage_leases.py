@@ -11,20 +11,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
-from sqlalchemy.engine import URL
 
-from adapters.postgres.migrate import upgrade
 from application.admission import AdmissionRequest
 from application.worker_commands import Completion, Grant
 from bootstrap.cluster import ClusterContainer, build
 from tests.postgres_server import (
-    DRIVER,
-    LOCAL_HOST,
-    LOCAL_USER,
     PrivateServer,
-    ServerUnavailable,
     connect,
-    start_private_server,
+    private_database,
 )
 
 pytestmark = pytest.mark.postgres
@@ -43,20 +37,8 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[Server]:
-    try:
-        private = start_private_server()
-    except ServerUnavailable as error:
-        pytest.skip(f"no private PostgreSQL server: {error}")
-    try:
-        url = URL.create(
-            DRIVER, username=LOCAL_USER, host=LOCAL_HOST, port=private.port, database="ql3_outage"
-        ).render_as_string(hide_password=False)
-        with connect(private.admin_url) as admin:
-            admin.execute("CREATE DATABASE ql3_outage")
-        upgrade(url)
+    with private_database("ql3_outage") as (private, url):
         yield Server(private=private, url=url)
-    finally:
-        private.stop()
 
 
 def claim_one(container: ClusterContainer, worker_id: str) -> tuple[str, str, Grant]:

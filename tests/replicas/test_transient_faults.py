@@ -22,23 +22,18 @@ from dataclasses import dataclass
 
 import psycopg
 import pytest
-from sqlalchemy.engine import URL, make_url
+from sqlalchemy.engine import make_url
 
 from adapters.postgres.engine import connection_ended
-from adapters.postgres.migrate import upgrade
 from adapters.postgres.store import PostgresStore
 from application.scheduler import CycleSummary
 from application.worker_commands import ClaimAnswer, NoGrant
 from bootstrap.cluster import ClusterContainer, build
 from tests.postgres_server import (
-    DRIVER,
-    LOCAL_HOST,
-    LOCAL_USER,
     PostgresServer,
     PrivateServer,
-    ServerUnavailable,
     connect,
-    start_private_server,
+    private_database,
 )
 from tests.replicas.seeding import (
     SeededState,
@@ -417,20 +412,8 @@ class RestartableServer:
 
 @pytest.fixture(scope="module")
 def restartable_server() -> Iterator[RestartableServer]:
-    try:
-        private = start_private_server()
-    except ServerUnavailable as error:
-        pytest.skip(f"no private PostgreSQL server: {error}")
-    try:
-        url = URL.create(
-            DRIVER, username=LOCAL_USER, host=LOCAL_HOST, port=private.port, database="ql3_restart"
-        ).render_as_string(hide_password=False)
-        with connect(private.admin_url) as admin:
-            admin.execute("CREATE DATABASE ql3_restart")
-        upgrade(url)
+    with private_database("ql3_restart") as (private, url):
         yield RestartableServer(private=private, url=url)
-    finally:
-        private.stop()
 
 
 def test_server_restart_between_cycles(restartable_server: RestartableServer) -> None:
