@@ -8,6 +8,7 @@ Nothing here needs SQLAlchemy: ``ql3 submit`` admits through the driver alone
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -17,6 +18,9 @@ from adapters.sql import rows
 from domain.model import Run
 from domain.states import CLAIMABLE_RUN_STATUSES
 from domain.transitions import Change
+
+# The documents without the blanks json.dumps puts after separators by default.
+_compact = json.JSONEncoder(separators=(",", ":")).encode
 
 # The documents of an admission (``add_many_sql``), one per table written, in that order.
 ADDED = tuple(rows.ADMITTED_TABLES)
@@ -34,18 +38,21 @@ class JsonRows:
 
     def __init__(self, names: Sequence[str]) -> None:
         self.rows: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
-        self.expected: dict[str, int] = {f"w_{name}": 0 for name in names}
         self.notify = False
 
     @property
+    def expected(self) -> dict[str, int]:
+        """The row count the statement must report for each table (``w_<name>``)."""
+        return {f"w_{name}": len(items) for name, items in self.rows.items()}
+
+    @property
     def params(self) -> dict[str, Any]:
-        params: dict[str, Any] = {name: Json(items) for name, items in self.rows.items()}
+        params: dict[str, Any] = {name: Json(items, _compact) for name, items in self.rows.items()}
         params["notify"] = self.notify
         return params
 
     def add(self, name: str, row: dict[str, Any]) -> None:
-        self.rows[name].append({column: value for column, value in row.items() if value is not None})
-        self.expected[f"w_{name}"] += 1
+        self.rows[name].append({key: value for key, value in row.items() if value is not None})
 
     def all_written(self, result: Mapping[str, Any]) -> bool:
         """Whether the statement's counts (``w_<name>``) are the rows it was given."""
@@ -55,9 +62,9 @@ class JsonRows:
 def add_many_statement(changes: Sequence[Change]) -> JsonRows:
     """The rows of ``add_many_sql`` for newly admitted Runs, in order."""
     batch = JsonRows(ADDED)
+    add = batch.add
     for change in changes:
         for name, values in rows.admitted_rows(change):
-            batch.add(name, values)
-        if queues_a_run(change.run):
-            batch.notify = True
+            add(name, values)
+    batch.notify = any(queues_a_run(change.run) for change in changes)
     return batch
