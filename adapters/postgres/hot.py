@@ -276,12 +276,13 @@ def _handed_back(alias: str) -> str:
 
 def _claimable_part(handed_back: bool) -> str:
     """One of the two parts of a claim's candidates (as
-    :func:`adapters.sql.sqlite.hot.claimable_sql` on SQLite), per task named, locked: Attempts never changed since created, from
-    ``ix_runs_claimable`` by their Runs' ``updated_at``; or Attempts handed back, from
-    ``ix_run_attempts_handed_back`` by their own ``created_at``. Both the Run's highest
-    priority first, then in the order of the Attempts' age: the first part in the order of its
-    index, which it reads only as far as its limit however deep the queue and however its
-    priorities mix; the second sorts the handed-back Attempts, which are few at any time."""
+    :func:`adapters.sql.sqlite.hot.claimable_sql` on SQLite), per task named, locked: Attempts
+    never changed since created, from ``ix_runs_claimable`` by their Runs' ``updated_at``; or
+    Attempts handed back, from ``ix_run_attempts_handed_back`` by their own ``created_at``.
+    Both the Run's highest priority first, then in the order of the Attempts' age: the first
+    part in the order of its index, which it reads only as far as its limit however deep the
+    queue and however its priorities mix; the second sorts the handed-back Attempts, which are
+    few at any time."""
     if handed_back:
         source = (
             "run_attempts a JOIN runs r ON r.id = a.run_id AND r.attempt_count = a.number"
