@@ -57,10 +57,10 @@ def storable_text(value: JsonValue) -> bool:
     text or JSON."""
     if isinstance(value, str):
         return "\x00" not in value
-    if isinstance(value, list):
-        return all(storable_text(item) for item in value)
     if isinstance(value, dict):
-        return all("\x00" not in key and storable_text(item) for key, item in value.items())
+        return all(map(storable_text, value)) and all(map(storable_text, value.values()))
+    if isinstance(value, list):
+        return all(map(storable_text, value))
     return True
 
 
