@@ -286,6 +286,26 @@ def test_commits_that_queue_a_run_notify_the_dispatch_channel(
     assert _heard(listener, 5.0) == [DISPATCH_CHANNEL]
 
 
+def test_the_gate_opening_wakes_parked_claims_and_its_closing_does_not(
+    store: PostgresStore, listener: psycopg.Connection[Any]
+) -> None:
+    """Claims park while the gate is closed (they wait for work); the commit of the cycle that
+    opens it notifies the dispatch channel, so they claim again at once."""
+    with store.unit_of_work() as uow:
+        closed = DispatchGate(open=False, reason="lost_retry failed", changed_at_ms=uow.now_ms())
+        uow.gate.set(closed)
+        uow.commit()
+    assert _heard(listener, 0.5) == []
+    with store.unit_of_work() as uow:
+        assert uow.gate.open(None, uow.now_ms())
+        # rolled back: nothing is delivered
+    assert _heard(listener, 0.5) == []
+    assert DispatchGateStep(store.unit_of_work, store).run_once().opened == 1
+    assert _heard(listener, 5.0) == [DISPATCH_CHANNEL]
+    assert DispatchGateStep(store.unit_of_work, store).run_once().opened == 0  # open already
+    assert _heard(listener, 0.5) == []
+
+
 def _generic_plan_rows(store: PostgresStore, sql: str, params: dict[str, Any]) -> Any:
     """The executed generic plan of ``sql`` (as the store's connections run a prepared
     statement: ``plan_cache_mode = force_generic_plan``), in a transaction rolled back after."""
