@@ -81,8 +81,17 @@ class Claimer:
                     break
                 wait = self._not_before - now if ledger.claim_due() else 1.0
                 ledger.changed.wait(max(0.001, wait))
+            # A completion sent alone (it ended the parked claim) is about to settle: the lease
+            # and the slot it frees join this claim.
+            until = now + ROUND_TRIP_CAP_S
+            while (
+                ledger.mode is Mode.WORKING
+                and ledger.completions_in_flight()
+                and (left := until - time.monotonic()) > 0
+            ):
+                ledger.changed.wait(left)
             # Busy slots that are about to free join this claim.
-            until = now + min(COALESCE_MAX_S, self._round_trip_s / 4)
+            until = time.monotonic() + min(COALESCE_MAX_S, self._round_trip_s / 4)
             while (
                 ledger.mode is Mode.WORKING
                 and ledger.free_slots < ledger.live_slots

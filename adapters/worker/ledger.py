@@ -335,6 +335,11 @@ class Ledger:
         held = len(self._held) - len(self._claimable_completions())
         return max(0, min(len(self._free), self.capacity - held, MAX_CLAIM))
 
+    def completions_in_flight(self) -> bool:
+        """A completion sent by the reporter awaits its answer (hold the lock): the lease and
+        the slot it frees count again once it settles."""
+        return self.claim_sent_at is None and bool(self._in(Phase.COMPLETING))
+
     def claim_due(self) -> bool:
         """A claim is worth sending (hold the lock)."""
         return self.mode is Mode.WORKING and self.failure is None and self.room() > 0

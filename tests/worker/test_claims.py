@@ -70,6 +70,11 @@ def test_completions_travel_with_the_next_claim() -> None:
 
 def test_a_completion_while_a_claim_is_parked_goes_alone_and_frees_its_slot() -> None:
     node, children = FakeNode(), FakeChildren()
+    # The completion's answer reaches the worker after the parked claim's (the node ends that
+    # claim as soon as the completion is in): the next claim waits for it.
+    node.before_answer = lambda command, body, answer: (
+        time.sleep(0.02) if command == "complete" else None
+    )
     sleeper = node.submit("t.sleep", {"seconds": 0.3})
     worker = _start(node, children, concurrency=2, poll_interval_s=20.0)
     node.wait_for(lambda: children.ran(sleeper) == 1)
