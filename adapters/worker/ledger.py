@@ -62,6 +62,7 @@ from adapters.worker.slot import Job, JobOutcome
 log = logging.getLogger("ql3.worker")
 
 RETRY_ITEM_S = 0.1  # the pause before an item the node did not decide is sent again
+CLAIMER_PAUSE_S = 0.1  # the longest a finished task waits for a claim while none is in flight
 EXPIRED = "expired"  # the fence reason of a lease past its expiry
 CANCELLED = "cancelled"  # the fence reason (and stop outcome) of an Attempt whose Run was cancelled
 CONFLICT = "conflict"  # an item refused by a concurrent change: it may be sent again
@@ -473,16 +474,25 @@ class Ledger:
                 self._move(held, to, now)
         return taken
 
+    def _completion_waits_s(self, grace_s: float) -> float | None:
+        """How long a finished task waits for a claim to carry its completion (hold the lock):
+        ``grace_s`` while a claim is in flight (it may be parked at the node), longer while the
+        claimer is about to send one (it may pause after a claim that found nothing); None
+        once the worker no longer claims."""
+        if self.mode is not Mode.WORKING or self.claimer_done:
+            return None
+        return grace_s if self.claim_sent_at is not None else max(grace_s, CLAIMER_PAUSE_S)
+
     def take_completions(self, now: float, grace_s: float) -> list[Held]:
         """Take the finished tasks whose completion should not wait for the next claim: those
-        that must go alone, and, while the claimer cannot carry them (a claim is parked at the
-        node, or the worker no longer claims), those that waited ``grace_s``."""
+        that must go alone, and those that waited for a claim (see :meth:`_completion_waits_s`)
+        or whose worker no longer claims."""
         with self.lock:
-            claiming = self.mode is Mode.WORKING and not self.claimer_done
+            waits = self._completion_waits_s(grace_s)
             taken = [
                 h
                 for h in self._in(Phase.FINISHED)
-                if h.retry_at <= now and (h.alone or not claiming or now - h.since >= grace_s)
+                if h.retry_at <= now and (h.alone or waits is None or now - h.since >= waits)
             ][:MAX_BATCH_ITEMS]
             for held in taken:
                 self._move(held, Phase.COMPLETING, now)
@@ -502,12 +512,12 @@ class Ledger:
     def next_report_at(self, grace_s: float) -> float | None:
         """When something is next due for sending (hold the lock)."""
         dues = []
-        claiming = self.mode is Mode.WORKING and not self.claimer_done
+        waits = self._completion_waits_s(grace_s)
         for held in self._held.values():
             if held.phase in (Phase.STOPPED, Phase.UNSTARTED, Phase.RECORDED):
                 dues.append(held.retry_at)
             elif held.phase is Phase.FINISHED:
-                start = held.since + (0.0 if held.alone or not claiming else grace_s)
+                start = held.since + (0.0 if held.alone or waits is None else waits)
                 dues.append(max(start, held.retry_at))
         return min(dues) if dues else None
 
