@@ -244,7 +244,7 @@ class StandaloneRunner:
             )
             self._grant = grant
             report = self._startup.run()
-            second_pass = self._schedule_second_pass()
+            second_pass = self._schedule_second_pass(at_boot=True)
         except BaseException:
             self._release_resources()
             raise
@@ -611,15 +611,20 @@ class StandaloneRunner:
             next_due = now + round(NO_PROGRESS_BACKOFF_S * 1000)
         due["work"] = next_due
 
-    def _schedule_second_pass(self) -> int | None:
-        """Note when the leases left by another session expire, if some still hold."""
+    def _schedule_second_pass(self, *, at_boot: bool = False) -> int | None:
+        """Note when the leases left by another session expire, if some still hold. At boot a
+        lease that startup recovery found live may have expired since: the pass is due at
+        once. After the second pass, leases it left (expired, yet not to be recovered) call for
+        no other."""
         grant = self._require_session()
         expiry = self._due_times.last_foreign_lease_expiry_ms(grant.session_id)
-        if expiry is None or expiry < self._due_times.now_ms():
+        now_ms = self._due_times.now_ms()
+        if expiry is None or (expiry < now_ms and not at_boot):
             self._schedule.due_at_ms.pop("second_pass", None)
             return None
-        self._schedule.due_at_ms["second_pass"] = expiry + 1
-        return expiry + 1
+        at = max(expiry + 1, now_ms)
+        self._schedule.due_at_ms["second_pass"] = at
+        return at
 
     def _second_pass_due(self) -> bool:
         at = self._schedule.due_at_ms.get("second_pass")

@@ -148,6 +148,49 @@ def test_edge_sleeps_until_the_leases_of_the_previous_process_expire_and_the_ret
     assert _quiet(served.runner, 1.0) == (0, 0)
 
 
+def test_a_lease_that_expires_while_startup_recovery_runs_gets_the_second_pass_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    database = str(tmp_path / "ql3.sqlite")
+    before = edge.build(database_path=database, lease_ttl_s=1.0)
+    commands = before.core.worker_commands()
+    grant = commands.register("standalone", 2, ["hold"])
+    run_id = before.core.admission().submit(
+        "hold", {"dir": str(tmp_path), "name": "r", "first_s": 0, "later_s": 0}, SAFE
+    )
+    (claimed,) = commands.claim(grant.session_id, grant.secret, limit=1).grants
+    before.store().close()
+
+    container = edge.build(database_path=database, lease_ttl_s=1.0)
+    lines: list[str] = []
+    runner = container.runner(tasks=TASKS, emit=lines.append)
+    startup = runner._startup
+    first_pass = startup.run
+
+    def slow_boot() -> Any:
+        # Startup recovery finds the lease live; the boot then takes until it has expired.
+        report = first_pass()
+        time.sleep(max(0.0, claimed.expires_at_ms / 1000 - time.time()) + 0.05)
+        return report
+
+    monkeypatch.setattr(startup, "run", slow_boot)
+    served = Serving(container, runner)
+    served.lines = lines
+    runner.boot()
+    assert "startup recovery: nothing to recover" in lines
+    served.thread.start()
+    try:
+        wait_for(lambda: served.settled(run_id), 10, "the expired lease to be recovered")
+        view = RunQueries(container.store().unit_of_work).show(run_id)
+        assert view is not None and view.run.status is RunStatus.SUCCEEDED
+        first, second = view.attempts
+        assert first.attempt.lost_evidence is EvidenceKind.SESSION_REPLACED
+        assert second.attempt.status is AttemptStatus.SUCCEEDED
+    finally:
+        served.stop()
+        container.store().close()
+
+
 def test_stopping_drains_then_abandons_what_still_runs_and_the_next_boot_settles_it(
     serve: Any, tmp_path: Path
 ) -> None:
