@@ -12,8 +12,8 @@ Boot
        lost, and lost Runs go through the lost-retry decision (retry only when declared safe).
     4. Leases the previous process still held keep their authority until they expire (at most one
        lease TTL after its last renewal). The runner notes the latest of those expiries and runs
-       startup recovery once more when it is reached. That second pass is part of the boot; there
-       is no continuous recovery.
+       startup recovery once more when it is reached (at once when it passed while startup
+       recovery ran). That second pass is part of the boot; there is no continuous recovery.
 
 Loop
     One thread (the caller of :meth:`StandaloneRunner.serve`) is the only one that speaks to the
