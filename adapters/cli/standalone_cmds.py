@@ -9,7 +9,6 @@ which every commit that queues a Run wakes it)."""
 from __future__ import annotations
 
 import gc
-import importlib.abc
 import logging
 import os
 import signal
@@ -67,9 +66,11 @@ UNUSED_INTEGRATIONS = (
 )
 
 
-class _Hidden(importlib.abc.MetaPathFinder):
-    """Finds the named packages (and their modules) missing: their import raises
-    ``ModuleNotFoundError``, as when they are not installed."""
+class _Hidden:
+    """A finder of ``sys.meta_path`` (the protocol of ``importlib.abc.MetaPathFinder``, whose
+    import would cost more than the finder saves) that finds the named packages and their
+    modules missing: their import raises ``ModuleNotFoundError``, as when they are not
+    installed."""
 
     def __init__(self, names: Iterable[str]) -> None:
         self.names = frozenset(names)
