@@ -8,12 +8,13 @@ which every commit that queues a Run wakes it)."""
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import signal
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from types import FrameType
 from typing import Any
@@ -51,25 +52,61 @@ def _stop_on_signals(stop: Callable[[], None]) -> Iterator[None]:
 
 
 # What dependency_injector integrates with when the package is installed (it imports each one
-# it finds when it is first imported). The process wires none of them: no web framework runs in
-# it, and importing them took about a third of its start-up.
-UNUSED_INTEGRATIONS = ("fastapi", "starlette", "werkzeug", "pydantic_settings", "fast_depends")
+# it finds when it is first imported: the web frameworks, pydantic for its settings, yaml for its
+# configuration files). The process wires none of them and reads no configuration through it:
+# importing them took about a third of its start-up.
+UNUSED_INTEGRATIONS = (
+    "fastapi",
+    "starlette",
+    "werkzeug",
+    "pydantic_settings",
+    "fast_depends",
+    "pydantic",
+    "yaml",
+)
+
+
+class _Hidden:
+    """A finder of ``sys.meta_path`` (the protocol of ``importlib.abc.MetaPathFinder``, whose
+    import would cost more than the finder saves) that finds the named packages and their
+    modules missing: their import raises ``ModuleNotFoundError``, as when they are not
+    installed."""
+
+    def __init__(self, names: Iterable[str]) -> None:
+        self.names = frozenset(names)
+
+    def find_spec(self, fullname: str, path: object = None, target: object = None) -> None:
+        if fullname.partition(".")[0] in self.names:
+            raise ModuleNotFoundError(f"{fullname} is not used here", name=fullname)
+        return None
 
 
 @contextmanager
 def _without_unused_integrations() -> Iterator[None]:
     """While the profile's containers are imported, the integrations no module has imported
-    yet read as missing (a ``None`` entry in ``sys.modules`` makes their import fail); they are
-    importable again afterwards, by task code say."""
-    hidden = [name for name in UNUSED_INTEGRATIONS if name not in sys.modules]
-    for name in hidden:
-        sys.modules[name] = None  # type: ignore[assignment]
+    yet read as missing; they are importable again afterwards, by task code say."""
+    finder = _Hidden(name for name in UNUSED_INTEGRATIONS if name not in sys.modules)
+    sys.meta_path.insert(0, finder)
     try:
         yield
     finally:
-        for name in hidden:
-            if name in sys.modules and sys.modules[name] is None:
-                del sys.modules[name]
+        sys.meta_path.remove(finder)
+
+
+@contextmanager
+def _start_up_uncollected() -> Iterator[None]:
+    """No garbage collection while the process imports and builds what it keeps for its whole
+    life (the imports alone would trigger dozens of collections that find nothing to free);
+    then those objects are frozen out of later collections, so the full collections of a busy
+    loop walk only what it allocated since."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.freeze()
+        if enabled:
+            gc.enable()
 
 
 def _importable_cwd() -> None:
@@ -125,33 +162,34 @@ def standalone_command(
     log_format: str,
 ) -> None:
     """Execute the tasks of --app on an embedded database until SIGTERM or SIGINT."""
-    from adapters import logs
-    from adapters.execution import AppLoadError, load_app
+    with _start_up_uncollected():
+        from adapters import logs
+        from adapters.execution import AppLoadError, load_app
 
-    emit = _stamp
-    if log_format == "json":
-        logs.configure("info", log_format)
-        emit = _json_line
+        emit = _stamp
+        if log_format == "json":
+            logs.configure("info", log_format)
+            emit = _json_line
 
-    _importable_cwd()
-    try:
-        tasks = load_app(app_spec)
-    except AppLoadError as error:
-        raise click.UsageError(str(error)) from None
-    settings: dict[str, Any] = {"database_path": os.path.abspath(database_path)}
-    for name, value in (
-        ("capacity", capacity),
-        ("lease_ttl_s", lease_ttl),
-        ("drain_timeout_s", drain_timeout),
-    ):
-        if value is not None:
-            settings[name] = value
-    with _without_unused_integrations():
-        if edge:
-            from bootstrap import edge as profile
-        else:
-            from bootstrap import standalone as profile  # type: ignore[no-redef]
-    container = profile.build(**settings)
+        _importable_cwd()
+        try:
+            tasks = load_app(app_spec)
+        except AppLoadError as error:
+            raise click.UsageError(str(error)) from None
+        settings: dict[str, Any] = {"database_path": os.path.abspath(database_path)}
+        for name, value in (
+            ("capacity", capacity),
+            ("lease_ttl_s", lease_ttl),
+            ("drain_timeout_s", drain_timeout),
+        ):
+            if value is not None:
+                settings[name] = value
+        with _without_unused_integrations():
+            if edge:
+                from bootstrap import edge as profile
+            else:
+                from bootstrap import standalone as profile  # type: ignore[no-redef]
+        container = profile.build(**settings)
     try:
         runner = container.runner(tasks=tasks, emit=emit)
         with _stop_on_signals(runner.request_stop):

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from sqlalchemy.exc import IntegrityError
 
 from adapters.sql.sqlite import SCHEMA_VERSION, SchemaMismatch, SqliteStore
 from adapters.sql.sqlite.wake import WakeListener, poke
@@ -348,8 +349,8 @@ def _as_version_1(path: Path) -> None:
         connection.execute("DROP INDEX ix_runs_claimable")
         connection.execute("CREATE INDEX ix_runs_queued ON runs (task, id) WHERE status = 'queued'")
         narrower = {
-            "run_events": ("'attempt_started', 'attempt_released', ", ""),
-            "run_dispatch_leases": (", 'handed_back'", ""),
+            "run_events": ("type = 'attempt_started' OR type = 'attempt_released' OR ", ""),
+            "run_dispatch_leases": (" OR release_reason = 'handed_back'", ""),
         }
         for table, (new, old) in narrower.items():
             (ddl,) = connection.execute(
@@ -430,3 +431,22 @@ def _pragma_of(path: Path, name: str) -> object:
         return _pragma(store, name)
     finally:
         store.close()
+
+
+SET_STATUS = "UPDATE runs SET status = ? WHERE id = ?"
+
+
+def test_one_of_checks_are_equalities_on_sqlite_and_refuse_other_values(
+    store: SqliteStore,
+) -> None:
+    with store.unit_of_work() as uow:
+        ddl = uow.connection.exec_driver_sql(
+            "SELECT sql FROM sqlite_master WHERE type = 'table' AND name = 'runs'"
+        ).scalar_one()
+    assert "status = 'queued' OR status = 'dispatching'" in ddl
+    assert " IN (" not in ddl
+    run_id = Admission(store.unit_of_work, RandomIdentities()).submit("t")
+    with store.unit_of_work() as uow, pytest.raises(IntegrityError):
+        uow.connection.exec_driver_sql(SET_STATUS, ("nonsense", run_id))
+    with store.unit_of_work() as uow:  # a declared status passes
+        uow.connection.exec_driver_sql(SET_STATUS, ("failed", run_id))

@@ -18,7 +18,7 @@ from domain.events import EventType
 from domain.model import EvidenceKind
 from tests.contract.builders import committed, given_session, given_started, lose
 
-QUARANTINE_TYPES = ", 'run_quarantined', 'run_unquarantined'"
+QUARANTINE_TYPES = " OR type = 'run_quarantined' OR type = 'run_unquarantined'"
 
 
 def _as_version_2(path: Path) -> None:

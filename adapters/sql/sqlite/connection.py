@@ -15,11 +15,17 @@ UPGRADABLE_VERSIONS = (1, 2, 3)
 
 def connection_pragmas(*, busy_timeout_ms: int, synchronous: str, wal: bool) -> list[str]:
     """The statements a new connection runs first (the driver opens no transaction by itself:
-    the connection's user sends ``BEGIN``)."""
+    the connection's user sends ``BEGIN``).
+
+    ``temp_store = MEMORY`` keeps SQLite's temporary files in memory: the sub-journal of a
+    savepoint (every batch of Changes is applied in one) would otherwise spill to a new file
+    once it holds more than 64 KiB, a file created, written and deleted per transaction. It
+    holds nothing that must outlive the transaction, so durability is as it was."""
     pragmas = [f"PRAGMA busy_timeout = {busy_timeout_ms}", "PRAGMA foreign_keys = ON"]
     if wal:
         pragmas.append("PRAGMA journal_mode = WAL")
     pragmas.append(f"PRAGMA synchronous = {synchronous}")
+    pragmas.append("PRAGMA temp_store = MEMORY")
     return pragmas
 
 

@@ -255,6 +255,14 @@ _TABLES = {table.name: table for table in (runs, run_attempts, run_dispatch_leas
 
 
 @cache
+def _fence_parameters(table: str) -> tuple[tuple[str, str], ...]:
+    """The ``w_<column>`` parameters of an update of ``table`` (:func:`update_sql`) and the
+    columns whose value as read each one takes."""
+    columns = (*_KEYS[table], *(column for column, _ in _FENCES[table]))
+    return tuple((f"w_{column}", column) for column in columns)
+
+
+@cache
 def update_sql(table: str, written: tuple[str, ...]) -> str:
     """The compare-and-set update of one row of ``table`` writing the columns ``written``
     (parameters ``:<column>``), keyed and fenced on ``:w_<column>`` parameters. Without
@@ -322,11 +330,13 @@ class ApplyMany:
     def _update(
         self, table: str, first: Mapping[str, Any], last: Mapping[str, Any], what: str
     ) -> None:
-        keys = _KEYS[table]
-        written = tuple(c for c, value in last.items() if c not in keys and first[c] != value)
-        params = _encoded(_TABLES[table], {c: last[c] for c in written})
-        params.update((f"w_{key}", first[key]) for key in keys)
-        params.update((f"w_{column}", first[column]) for column, _ in _FENCES[table])
+        written = tuple(c for c in last if first[c] != last[c] and c not in _KEYS[table])
+        params = {c: last[c] for c in written}
+        for name in _json_columns(_TABLES[table]).intersection(written):
+            if params[name] is not None:
+                params[name] = json.dumps(params[name])
+        for parameter, column in _fence_parameters(table):
+            params[parameter] = first[column]
         self._add("update", table, written, params, what)
 
     def _insert(self, table: str, values: Mapping[str, Any], what: str) -> None:
