@@ -48,6 +48,7 @@ from adapters.postgres.queries import (
     orphaned_runs_query,
     recovery_candidates_query,
 )
+from adapters.postgres.results import fetched_rows
 from adapters.sql import operations, rows, statements
 from adapters.sql.credentials import SqlCredentialRepository
 from adapters.sql.history import SqlHistoryRepository
@@ -167,11 +168,6 @@ def _positional(sql: str, params: dict[str, Any]) -> tuple[str, list[Any]]:
     return text_, [params[name] for name in names]
 
 
-def _rows(cursor: RawCursor[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The rows of a cursor's statement; none for a command that returns none."""
-    return cursor.fetchall() if cursor.description is not None else []
-
-
 _SAVEPOINT = "ql3_statement"
 
 
@@ -283,7 +279,7 @@ class PostgresUnitOfWork(ConnectionTransaction):
                 sql, params = statements[0]
                 with RawCursor(driver, row_factory=dict_row) as cursor:
                     cursor.execute(*_positional(sql, params))
-                    return [_rows(cursor)]
+                    return [fetched_rows(cursor)]
             cursors = [RawCursor(driver, row_factory=dict_row) for _ in statements]
             try:
                 with driver.pipeline():
@@ -293,7 +289,7 @@ class PostgresUnitOfWork(ConnectionTransaction):
                         # skipped, and the driver would take it for prepared all the same.
                         prepare = None if params else False
                         cursor.execute(*_positional(sql, params), prepare=prepare)
-                return [_rows(cursor) for cursor in cursors]
+                return [fetched_rows(cursor) for cursor in cursors]
             finally:
                 for cursor in cursors:
                     cursor.close()
