@@ -22,9 +22,9 @@ trip, and a commit that puts a Run into ``queued`` notifies
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import psycopg
 from psycopg import RawCursor
@@ -32,6 +32,7 @@ from psycopg.rows import dict_row
 from sqlalchemy import Connection, Engine, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError
+from sqlalchemy.pool import PoolProxiedConnection
 from sqlalchemy.sql import Executable
 
 from adapters.postgres import hot, queries
@@ -108,6 +109,8 @@ __all__ = [
     "orphaned_runs_query",
     "recovery_candidates_query",
 ]
+
+T = TypeVar("T")
 
 DRIVER = "postgresql+psycopg"
 # How often lock_run re-reads the Run's latest Attempt when it changed while the locks were taken.
@@ -191,6 +194,9 @@ class PostgresUnitOfWork(ConnectionTransaction):
 
     def __init__(self, store: PostgresStore) -> None:
         self._store = store
+        # The pooled connection, checked out for the ``with`` block; the SQLAlchemy connection
+        # around it is made only when a Core statement needs it (see :attr:`connection`).
+        self._pooled: PoolProxiedConnection | None = None
         self._connection: Connection | None = None
         self.runs: RunRepository = PostgresRunRepository(self)
         self.sessions: WorkerSessionRegistry = PostgresSessionRegistry(self)
@@ -214,11 +220,9 @@ class PostgresUnitOfWork(ConnectionTransaction):
         self._broken: str | None = None
 
     def __enter__(self) -> PostgresUnitOfWork:
-        if self._connection is not None:
+        if self._pooled is not None or self._connection is not None:
             raise RuntimeError("this unit of work is already in use")
-        connection = self._store.engine.connect()
-        connection.begin()
-        self._connection = connection
+        self._pooled = self._store.engine.raw_connection()
         return self
 
     def __exit__(
@@ -228,12 +232,76 @@ class PostgresUnitOfWork(ConnectionTransaction):
         tb: TracebackType | None,
     ) -> None:
         connection, self._connection = self._connection, None
-        if connection is None:
-            return
+        pooled, self._pooled = self._pooled, None
+        if connection is not None:
+            try:
+                connection.rollback()
+            finally:
+                connection.close()
+        elif pooled is not None:
+            try:
+                # An invalidated connection (lost) has nothing left to roll back.
+                if pooled.is_valid:
+                    self._on_driver(pooled, lambda driver: driver.rollback(), "roll back")
+            finally:
+                pooled.close()
+
+    @property
+    def connection(self) -> Connection:
+        """The SQLAlchemy connection on this unit of work's pooled connection, in its
+        transaction, made on first use: the hot paths (:mod:`hot`) run on the driver alone and
+        a unit of work that only runs them never makes one."""
+        if self._connection is None:
+            if self._pooled is None:
+                raise RuntimeError("use the unit of work inside its `with` block")
+            self._connection = Connection(self._store.engine, connection=self._pooled)
+            self._connection.begin()
+        return self._connection
+
+    def _driver_connection(self) -> psycopg.Connection[Any]:
+        """The psycopg connection under this unit of work."""
+        pooled = self._connection.connection if self._connection is not None else self._pooled
+        driver = None if pooled is None else pooled.driver_connection
+        if driver is None:
+            raise RuntimeError("the unit of work has no open connection")
+        return cast("psycopg.Connection[Any]", driver)
+
+    def _on_driver(self, pooled: PoolProxiedConnection, call: Callable[[Any], T], label: str) -> T:
+        """``call`` on the driver's connection under ``pooled``, its errors raised as
+        SQLAlchemy's would be (see :meth:`_driver_error`)."""
+        driver = pooled.driver_connection
+        if driver is None:
+            raise RuntimeError(f"cannot {label}: the connection was lost and invalidated")
         try:
-            connection.rollback()
-        finally:
-            connection.close()
+            return call(driver)
+        except psycopg.Error as error:
+            raise self._driver_error(error, driver, label, pooled) from error
+
+    def _driver_error(
+        self,
+        error: psycopg.Error,
+        driver: Any,
+        label: str,
+        pooled: PoolProxiedConnection | None = None,
+    ) -> Exception:
+        """The same error as through SQLAlchemy: wrapped in its exception classes, and a lost
+        connection is invalidated so that the pool does not hand it out again."""
+        dialect = self._store.engine.dialect
+        lost = dialect.is_disconnect(cast(Any, error), driver, None)
+        if lost:
+            if self._connection is not None:
+                self._connection.invalidate(error)
+            elif (target := pooled if pooled is not None else self._pooled) is not None:
+                target.invalidate(error)
+        return DBAPIError.instance(
+            f"<{label}>",
+            None,
+            error,
+            psycopg.Error,
+            hide_parameters=True,
+            connection_invalidated=lost,
+            dialect=dialect,
+        )
 
     @property
     def clock_offset_ms(self) -> int:
@@ -249,7 +317,12 @@ class PostgresUnitOfWork(ConnectionTransaction):
     def commit(self) -> None:
         if self._broken is not None:
             raise ConcurrencyConflict(f"not committed: {self._broken}")
-        self.connection.commit()
+        if self._connection is not None:
+            self._connection.commit()
+        elif self._pooled is not None:
+            self._on_driver(self._pooled, lambda driver: driver.commit(), "commit")
+        else:
+            raise RuntimeError("use the unit of work inside its `with` block")
 
     def wake_claims(self) -> None:
         """Parked claims are woken when this transaction commits, as by an admission: it may
@@ -270,9 +343,7 @@ class PostgresUnitOfWork(ConnectionTransaction):
         """Several plain SQL statements sent together in one round trip (a pipeline), run by
         the server one after the other, each with its own snapshot; the rows of each. A failing
         statement fails the call and the server skips the ones after it."""
-        driver = self.connection.connection.driver_connection
-        if driver is None:
-            raise RuntimeError("the unit of work has no open connection")
+        driver = self._driver_connection()
         self._seen_held = {}
         try:
             if len(statements) == 1:
@@ -294,21 +365,7 @@ class PostgresUnitOfWork(ConnectionTransaction):
                 for cursor in cursors:
                     cursor.close()
         except psycopg.Error as error:
-            # The same errors as through SQLAlchemy: wrapped in its exception classes, and a
-            # lost connection is invalidated so that the pool does not hand it out again.
-            dialect = self.connection.dialect
-            lost = dialect.is_disconnect(cast(Any, error), driver, None)
-            if lost:
-                self.connection.invalidate(error)
-            raise DBAPIError.instance(
-                f"<{label}>",
-                None,
-                error,
-                psycopg.Error,
-                hide_parameters=True,
-                connection_invalidated=lost,
-                dialect=dialect,
-            ) from error
+            raise self._driver_error(error, driver, label) from error
 
     def execute_savepointed(
         self, sql: str, params: dict[str, Any], label: str
