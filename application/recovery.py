@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 from application.budgets import validate_page_size
@@ -22,10 +22,6 @@ from domain.transitions import Change
 
 # Recovery transactions of one replica running at once (each on its own connection).
 MAX_CONCURRENCY = 8
-
-
-class PassAborted(Exception):
-    """A candidate not started because an earlier one in the same pass failed."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,32 +134,46 @@ class RuntimeRecovery:
         )
 
     def _resolve_all(self, candidates: Sequence[RecoveryCandidate]) -> list[RecoveryHold | None]:
-        """Each candidate in its own transaction; with ``concurrency`` > 1, that many at once.
+        """Each candidate in its own transaction; with ``concurrency`` > 1, that many at once:
+        the calling thread and ``concurrency - 1`` threads of this pass each take the next
+        candidate not yet taken, one after the other.
 
         The first error ends the pass: no candidate is started after it, the ones under way
-        finish (each commits or rolls back on its own), and the error is raised."""
+        finish (each commits or rolls back on its own), and the error of the first candidate
+        in page order that failed is raised."""
         if self._concurrency == 1 or len(candidates) < 2:
             return [self._resolve(candidate) for candidate in candidates]
+        holds: list[RecoveryHold | None] = [None] * len(candidates)
+        failures: list[tuple[int, BaseException]] = []
+        taken = itertools.count()  # next() of a count is atomic: each index is taken once
         failed = threading.Event()
 
-        def resolve(candidate: RecoveryCandidate) -> RecoveryHold | None:
-            if failed.is_set():
-                raise PassAborted
-            try:
-                return self._resolve(candidate)
-            except BaseException:
-                failed.set()
-                raise
+        def work() -> None:
+            while not failed.is_set():
+                index = next(taken)
+                if index >= len(candidates):
+                    return
+                try:
+                    holds[index] = self._resolve(candidates[index])
+                except BaseException as error:
+                    failures.append((index, error))
+                    failed.set()
+                    return
 
-        workers = min(self._concurrency, len(candidates))
-        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ql3-recovery") as pool:
-            futures = [pool.submit(resolve, candidate) for candidate in candidates]
-            wait(futures)
-        errors = [f.exception() for f in futures if f.exception() is not None]
-        first = next((e for e in errors if not isinstance(e, PassAborted)), None)
-        if first is not None:
-            raise first
-        return [f.result() for f in futures]
+        helpers = [
+            threading.Thread(target=work, name=f"ql3-recovery-{n}")
+            for n in range(min(self._concurrency, len(candidates)) - 1)
+        ]
+        for helper in helpers:
+            helper.start()
+        try:
+            work()
+        finally:
+            for helper in helpers:
+                helper.join()
+        if failures:
+            raise min(failures, key=lambda failure: failure[0])[1]
+        return holds
 
     def _resolve(self, candidate: RecoveryCandidate) -> RecoveryHold | None:
         try:
@@ -173,8 +183,6 @@ class RuntimeRecovery:
                     uow.commit()
                     self._metrics.committed((change.event,))
                 return hold
-        except PassAborted:
-            raise
         except Exception as error:
             raise CandidateFailed(
                 self.STEP_NAME, candidate.run_id, candidate.attempt_id, error
