@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
+from functools import lru_cache
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import psycopg
 from psycopg import RawCursor
 from psycopg.rows import dict_row
-from sqlalchemy import Connection, Engine, text
+from sqlalchemy import Connection, Engine, Select, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.pool import PoolProxiedConnection
@@ -712,6 +713,14 @@ class PostgresEvidenceRepository(SqlEvidenceRepository[PostgresUnitOfWork]):
 # --- the store ---------------------------------------------------------------------------------
 
 
+@lru_cache(maxsize=64)
+def _page_statement(build: Callable[[int, int], Select], limit: int, offset_ms: int) -> Select:
+    """A candidate source's statement for ``limit`` and the clock offset, built once rather
+    than on every cycle: a Core statement does not change once built, and each source runs
+    with the same page size and (outside tests) the same offset every cycle."""
+    return build(limit, offset_ms)
+
+
 class PostgresStore:
     """Every port of the runtime on PostgreSQL, through one engine and its small pool."""
 
@@ -784,7 +793,9 @@ class PostgresStore:
 
     def recovery_candidates(self, limit: int) -> Page[RecoveryCandidate]:
         check_page_limit(limit)
-        now, found = self._page_rows(recovery_candidates_query(limit, self._clock_offset_ms))
+        now, found = self._page_rows(
+            _page_statement(recovery_candidates_query, limit, self._clock_offset_ms)
+        )
         items = tuple(
             RecoveryCandidate(
                 run_id=row["run_id"],
@@ -811,15 +822,19 @@ class PostgresStore:
 
     def lost_runs(self, limit: int) -> Page[RunCandidate]:
         check_page_limit(limit)
-        return self._run_page(lost_runs_query(limit, self._clock_offset_ms), limit)
+        return self._run_page(_page_statement(lost_runs_query, limit, self._clock_offset_ms), limit)
 
     def due_retries(self, limit: int) -> Page[RunCandidate]:
         check_page_limit(limit)
-        return self._run_page(due_retries_query(limit, self._clock_offset_ms), limit)
+        return self._run_page(
+            _page_statement(due_retries_query, limit, self._clock_offset_ms), limit
+        )
 
     def orphaned_runs(self, limit: int) -> Page[RunCandidate]:
         check_page_limit(limit)
-        return self._run_page(orphaned_runs_query(limit, self._clock_offset_ms), limit)
+        return self._run_page(
+            _page_statement(orphaned_runs_query, limit, self._clock_offset_ms), limit
+        )
 
     def dispatch_gate(self) -> DispatchGate:
         with self.engine.connect() as connection:
