@@ -11,11 +11,13 @@ from application.budgets import validate_page_size
 from application.diagnosis import CandidateFailed
 from application.ports import (
     NO_METRICS,
+    ConnectionHold,
     Metrics,
     RecoveryCandidate,
     RecoveryCandidateSource,
     UnitOfWork,
     UnitOfWorkFactory,
+    no_connection_hold,
 )
 from domain.recovery import RecoveryHold, find_not_running_evidence, resolve_recovery
 from domain.transitions import Change
@@ -97,6 +99,7 @@ class RuntimeRecovery:
         page_size: int | None = None,
         concurrency: int = 1,
         metrics: Metrics = NO_METRICS,
+        hold: ConnectionHold = no_connection_hold,
     ) -> None:
         if isinstance(concurrency, bool) or not isinstance(concurrency, int):
             raise TypeError("concurrency must be an integer")
@@ -107,6 +110,8 @@ class RuntimeRecovery:
         self._page_size = validate_page_size(page_size)
         self._concurrency = concurrency
         self._metrics = metrics
+        # Each thread of a pass resolves its candidates one after the other on one connection.
+        self._hold = hold
 
     @property
     def page_size(self) -> int:
@@ -142,23 +147,29 @@ class RuntimeRecovery:
         finish (each commits or rolls back on its own), and the error of the first candidate
         in page order that failed is raised."""
         if self._concurrency == 1 or len(candidates) < 2:
-            return [self._resolve(candidate) for candidate in candidates]
-        holds: list[RecoveryHold | None] = [None] * len(candidates)
+            with self._hold():
+                return [self._resolve(candidate) for candidate in candidates]
+        outcomes: list[RecoveryHold | None] = [None] * len(candidates)
         failures: list[tuple[int, BaseException]] = []
         taken = itertools.count()  # next() of a count is atomic: each index is taken once
         failed = threading.Event()
 
         def work() -> None:
-            while not failed.is_set():
-                index = next(taken)
-                if index >= len(candidates):
-                    return
-                try:
-                    holds[index] = self._resolve(candidates[index])
-                except BaseException as error:
-                    failures.append((index, error))
-                    failed.set()
-                    return
+            try:
+                with self._hold():
+                    while not failed.is_set():
+                        index = next(taken)
+                        if index >= len(candidates):
+                            return
+                        try:
+                            outcomes[index] = self._resolve(candidates[index])
+                        except BaseException as error:
+                            failures.append((index, error))
+                            failed.set()
+                            return
+            except BaseException as error:  # letting the held connection go failed
+                failures.append((len(candidates), error))
+                failed.set()
 
         helpers = [
             threading.Thread(target=work, name=f"ql3-recovery-{n}")
@@ -173,7 +184,7 @@ class RuntimeRecovery:
                 helper.join()
         if failures:
             raise min(failures, key=lambda failure: failure[0])[1]
-        return holds
+        return outcomes
 
     def _resolve(self, candidate: RecoveryCandidate) -> RecoveryHold | None:
         try:

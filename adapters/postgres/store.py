@@ -22,7 +22,9 @@ trip, and a commit that puts a Run into ``queued`` notifies
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from functools import lru_cache
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar, cast
@@ -40,7 +42,7 @@ from adapters.postgres import hot, queries
 from adapters.postgres import triggers as trigger_pages
 from adapters.postgres import workflows as workflow_pages
 from adapters.postgres.batch import add_many_statement
-from adapters.postgres.engine import pooled_engine
+from adapters.postgres.engine import connection_ended, pooled_engine
 from adapters.postgres.outage import resume_leases_on_connect
 from adapters.postgres.queries import (
     ADVISORY_LOCK_NAMESPACE,
@@ -223,7 +225,7 @@ class PostgresUnitOfWork(ConnectionTransaction):
     def __enter__(self) -> PostgresUnitOfWork:
         if self._pooled is not None or self._connection is not None:
             raise RuntimeError("this unit of work is already in use")
-        self._pooled = self._store.engine.raw_connection()
+        self._pooled = self._store.check_out()
         return self
 
     def __exit__(
@@ -245,7 +247,7 @@ class PostgresUnitOfWork(ConnectionTransaction):
                 if pooled.is_valid:
                     self._on_driver(pooled, lambda driver: driver.rollback(), "roll back")
             finally:
-                pooled.close()
+                self._store.check_in(pooled)
 
     @property
     def connection(self) -> Connection:
@@ -727,6 +729,9 @@ class PostgresStore:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self._clock_offset_ms = 0
+        # Per thread, inside holding_connection: whether it holds, and the connection it holds
+        # between two units of work (None while one uses it).
+        self._held = threading.local()
 
     @classmethod
     def from_url(
@@ -757,6 +762,47 @@ class PostgresStore:
 
     def unit_of_work(self) -> PostgresUnitOfWork:
         return PostgresUnitOfWork(self)
+
+    @contextmanager
+    def holding_connection(self) -> Iterator[None]:
+        """The units of work this thread opens inside, one after the other, run on one pooled
+        connection, each in its own transaction (:class:`application.ports.ConnectionHold`);
+        the connection goes back to the pool at the end. A connection the server has ended
+        meanwhile, or one that was lost, is given up for a fresh one, as at a checkout."""
+        held = self._held
+        if getattr(held, "holding", False):
+            yield  # already held further out
+            return
+        held.holding, held.connection = True, None
+        try:
+            yield
+        finally:
+            pooled, held.connection, held.holding = held.connection, None, False
+            if pooled is not None:
+                pooled.close()
+
+    def check_out(self) -> PoolProxiedConnection:
+        """A unit of work's connection: the one this thread holds, else one from the pool."""
+        held = self._held
+        pooled = getattr(held, "connection", None)
+        if pooled is not None:
+            held.connection = None
+            driver = pooled.driver_connection
+            if pooled.is_valid and driver is not None:
+                if not connection_ended(driver):
+                    return pooled
+                pooled.invalidate()
+            pooled.close()
+        return self.engine.raw_connection()
+
+    def check_in(self, pooled: PoolProxiedConnection) -> None:
+        """Kept for this thread's next unit of work while it holds one, else back to the
+        pool."""
+        held = self._held
+        if getattr(held, "holding", False) and held.connection is None and pooled.is_valid:
+            held.connection = pooled
+        else:
+            pooled.close()
 
     def close(self) -> None:
         self.engine.dispose()
