@@ -9,6 +9,7 @@ matches no row raises :class:`domain.errors.ConcurrencyConflict`, never succeeds
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
@@ -451,6 +452,18 @@ class UnitOfWork(Protocol):
 
 class UnitOfWorkFactory(Protocol):
     def __call__(self) -> UnitOfWork: ...
+
+
+class ConnectionHold(Protocol):
+    """A scope in which the units of work one thread opens, one after the other, run on one
+    connection, each still in its own transaction (a store without connections ignores it)."""
+
+    def __call__(self) -> AbstractContextManager[None]: ...
+
+
+def no_connection_hold() -> AbstractContextManager[None]:
+    """The :class:`ConnectionHold` of a store that keeps no connection between transactions."""
+    return nullcontext()
 
 
 class CredentialRepository(Protocol):

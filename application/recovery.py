@@ -2,30 +2,28 @@
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 from application.budgets import validate_page_size
 from application.diagnosis import CandidateFailed
 from application.ports import (
     NO_METRICS,
+    ConnectionHold,
     Metrics,
     RecoveryCandidate,
     RecoveryCandidateSource,
     UnitOfWork,
     UnitOfWorkFactory,
+    no_connection_hold,
 )
 from domain.recovery import RecoveryHold, find_not_running_evidence, resolve_recovery
 from domain.transitions import Change
 
 # Recovery transactions of one replica running at once (each on its own connection).
 MAX_CONCURRENCY = 8
-
-
-class PassAborted(Exception):
-    """A candidate not started because an earlier one in the same pass failed."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +99,7 @@ class RuntimeRecovery:
         page_size: int | None = None,
         concurrency: int = 1,
         metrics: Metrics = NO_METRICS,
+        hold: ConnectionHold = no_connection_hold,
     ) -> None:
         if isinstance(concurrency, bool) or not isinstance(concurrency, int):
             raise TypeError("concurrency must be an integer")
@@ -111,6 +110,8 @@ class RuntimeRecovery:
         self._page_size = validate_page_size(page_size)
         self._concurrency = concurrency
         self._metrics = metrics
+        # Each thread of a pass resolves its candidates one after the other on one connection.
+        self._hold = hold
 
     @property
     def page_size(self) -> int:
@@ -138,32 +139,52 @@ class RuntimeRecovery:
         )
 
     def _resolve_all(self, candidates: Sequence[RecoveryCandidate]) -> list[RecoveryHold | None]:
-        """Each candidate in its own transaction; with ``concurrency`` > 1, that many at once.
+        """Each candidate in its own transaction; with ``concurrency`` > 1, that many at once:
+        the calling thread and ``concurrency - 1`` threads of this pass each take the next
+        candidate not yet taken, one after the other.
 
         The first error ends the pass: no candidate is started after it, the ones under way
-        finish (each commits or rolls back on its own), and the error is raised."""
+        finish (each commits or rolls back on its own), and the error of the first candidate
+        in page order that failed is raised."""
         if self._concurrency == 1 or len(candidates) < 2:
-            return [self._resolve(candidate) for candidate in candidates]
+            with self._hold():
+                return [self._resolve(candidate) for candidate in candidates]
+        outcomes: list[RecoveryHold | None] = [None] * len(candidates)
+        failures: list[tuple[int, BaseException]] = []
+        taken = itertools.count()  # next() of a count is atomic: each index is taken once
         failed = threading.Event()
 
-        def resolve(candidate: RecoveryCandidate) -> RecoveryHold | None:
-            if failed.is_set():
-                raise PassAborted
+        def work() -> None:
             try:
-                return self._resolve(candidate)
-            except BaseException:
+                with self._hold():
+                    while not failed.is_set():
+                        index = next(taken)
+                        if index >= len(candidates):
+                            return
+                        try:
+                            outcomes[index] = self._resolve(candidates[index])
+                        except BaseException as error:
+                            failures.append((index, error))
+                            failed.set()
+                            return
+            except BaseException as error:  # letting the held connection go failed
+                failures.append((len(candidates), error))
                 failed.set()
-                raise
 
-        workers = min(self._concurrency, len(candidates))
-        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ql3-recovery") as pool:
-            futures = [pool.submit(resolve, candidate) for candidate in candidates]
-            wait(futures)
-        errors = [f.exception() for f in futures if f.exception() is not None]
-        first = next((e for e in errors if not isinstance(e, PassAborted)), None)
-        if first is not None:
-            raise first
-        return [f.result() for f in futures]
+        helpers = [
+            threading.Thread(target=work, name=f"ql3-recovery-{n}")
+            for n in range(min(self._concurrency, len(candidates)) - 1)
+        ]
+        for helper in helpers:
+            helper.start()
+        try:
+            work()
+        finally:
+            for helper in helpers:
+                helper.join()
+        if failures:
+            raise min(failures, key=lambda failure: failure[0])[1]
+        return outcomes
 
     def _resolve(self, candidate: RecoveryCandidate) -> RecoveryHold | None:
         try:
@@ -173,8 +194,6 @@ class RuntimeRecovery:
                     uow.commit()
                     self._metrics.committed((change.event,))
                 return hold
-        except PassAborted:
-            raise
         except Exception as error:
             raise CandidateFailed(
                 self.STEP_NAME, candidate.run_id, candidate.attempt_id, error

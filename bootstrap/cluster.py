@@ -45,6 +45,7 @@ class ClusterContainer(containers.DeclarativeContainer):
         page_size=config.recovery_page_size,
         concurrency=config.recovery_concurrency,
         metrics=metrics,
+        hold=store.provided.holding_connection,
     )
     lost_retry = providers.Singleton(
         LostRetry,

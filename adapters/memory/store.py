@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
 from types import TracebackType
 from typing import TYPE_CHECKING
@@ -51,6 +52,7 @@ from application.ports import (
     TriggerRepository,
     WorkerSessionRegistry,
     WorkflowRepository,
+    no_connection_hold,
 )
 from domain.credentials import CredentialEvent, WorkerCredential
 from domain.dispatch import TaskLimit
@@ -641,6 +643,10 @@ class MemoryStore:
     def unit_of_work(self) -> MemoryUnitOfWork:
         self._require_open()
         return MemoryUnitOfWork(self)
+
+    def holding_connection(self) -> AbstractContextManager[None]:
+        """The :class:`~application.ports.ConnectionHold` of a store without connections."""
+        return no_connection_hold()
 
     def close(self) -> None:
         with self._lock:

@@ -18,6 +18,7 @@ from psycopg.rows import dict_row
 from sqlalchemy import Connection
 
 from adapters.postgres import queries
+from adapters.postgres.results import fetched_rows
 from adapters.postgres.store import PostgresStore, PostgresUnitOfWork
 from adapters.sql.schema import EpochMillis
 from domain.errors import ConcurrencyConflict
@@ -140,7 +141,7 @@ class CallerPsycopgUnitOfWork(CallerConnectionUnitOfWork):
                     cursor.execute(sql, params)
                 except psycopg.errors.IntegrityError as error:
                     raise ConcurrencyConflict(f"{label}: {error}") from error
-                answers.append(cursor.fetchall() if cursor.description is not None else [])
+                answers.append(fetched_rows(cursor))
         return answers
 
     def execute_savepointed(

@@ -36,7 +36,7 @@ way out; on the way in aware datetimes, or milliseconds inside the JSON document
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import cache, lru_cache
 from typing import Any
 
@@ -121,24 +121,32 @@ def _placeholder(column: Column[Any], name: str) -> str:
     return f"%({name})s::{_sql_type(column)}"
 
 
-def _identity(value: Any) -> Any:
-    return value
+def _time_param(value: Any) -> Any:
+    return millis_to_datetime(int(value))
+
+
+def _converter(column: Column[Any]) -> Callable[[Any], Any] | None:
+    """How a domain value of the column is handed to the driver (None: as it is)."""
+    if _is_time(column):
+        return _time_param
+    if _is_json(column):
+        return Jsonb
+    return None
 
 
 @cache
-def _converter(column: Column[Any]) -> Any:
-    """How a domain value of the column is handed to the driver."""
-    if _is_time(column):
-        return lambda value: millis_to_datetime(int(value))
-    if _is_json(column):
-        return Jsonb
-    return _identity
+def _converters(table: Table) -> dict[str, Callable[[Any], Any] | None]:
+    """:func:`_converter` of each of the table's columns, by name."""
+    return {column.name: _converter(column) for column in table.columns}
 
 
-def _param(column: Column[Any], value: Any) -> Any:
-    if value is None:
-        return None
-    return _converter(column)(value)
+def _params(params: dict[str, Any], prefix: str, table: Table, values: Mapping[str, Any]) -> None:
+    """``values`` of ``table``'s columns into ``params`` as ``<prefix><column>``; None stays
+    None (NULL)."""
+    converters = _converters(table)
+    for column, value in values.items():
+        convert = converters[column]
+        params[prefix + column] = value if value is None or convert is None else convert(value)
 
 
 def store_now_sql(offset_param: str = "clock_offset_ms") -> str:
@@ -285,9 +293,7 @@ def _claimable_part(handed_back: bool) -> str:
     queue and however its priorities mix; the second sorts the handed-back Attempts, which are
     few at any time."""
     if handed_back:
-        source = (
-            "run_attempts a JOIN runs r ON r.id = a.run_id AND r.attempt_count = a.number"
-        )
+        source = "run_attempts a JOIN runs r ON r.id = a.run_id AND r.attempt_count = a.number"
         # Read only when ``h`` (of :func:`claim_sql`) found any Attempt handed back.
         part = f"{_handed_back('a')} AND EXISTS (SELECT 1 FROM h WHERE h.any)"
         order = "r.priority DESC, a.created_at, a.run_id"
@@ -447,13 +453,8 @@ class ApplyStatement:
         fence: Mapping[str, Any],
     ) -> None:
         """``UPDATE table SET values WHERE fence`` (a None fence value means IS NULL)."""
-        columns = table.columns
-        params = self.params
-        for column, value in values.items():
-            params[f"{name}_{column}"] = _param(columns[column], value)
-        for column, value in fence.items():
-            if value is not None:
-                params[f"{name}_w_{column}"] = _param(columns[column], value)
+        _params(self.params, f"{name}_", table, values)
+        _params(self.params, f"{name}_w_", table, {c: v for c, v in fence.items() if v is not None})
         nulls = tuple((column, value is None) for column, value in fence.items())
         if values:
             self.parts.append(("update", name, table.name, tuple(values), nulls))
@@ -463,10 +464,7 @@ class ApplyStatement:
             self.parts.append(("check", name, table.name, (), nulls))
 
     def insert(self, name: str, table: Table, values: Mapping[str, Any]) -> None:
-        columns = table.columns
-        params = self.params
-        for column, value in values.items():
-            params[f"{name}_{column}"] = _param(columns[column], value)
+        _params(self.params, f"{name}_", table, values)
         self.parts.append(("insert", name, table.name, tuple(values), ()))
         self.names.append(name)
 
@@ -824,7 +822,5 @@ def add_many_sql() -> str:
         sources.append(source)
         writes.append(write)
     counts = ", ".join(f"(SELECT count(*) FROM w_{name}) AS w_{name}" for name, _ in _ADDED)
-    notified = (
-        f"(SELECT count(*) FROM (SELECT {_NOTIFY} WHERE %(notify)s::boolean) n) AS notified"
-    )
+    notified = f"(SELECT count(*) FROM (SELECT {_NOTIFY} WHERE %(notify)s::boolean) n) AS notified"
     return "WITH " + ",\n".join(sources + writes) + f"\nSELECT {counts}, {notified}"

@@ -22,23 +22,27 @@ trip, and a commit that puts a Run into ``queued`` notifies
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from functools import lru_cache
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import psycopg
 from psycopg import RawCursor
 from psycopg.rows import dict_row
-from sqlalchemy import Connection, Engine, text
+from sqlalchemy import Connection, Engine, Select, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError
+from sqlalchemy.pool import PoolProxiedConnection
 from sqlalchemy.sql import Executable
 
 from adapters.postgres import hot, queries
 from adapters.postgres import triggers as trigger_pages
 from adapters.postgres import workflows as workflow_pages
 from adapters.postgres.batch import add_many_statement
-from adapters.postgres.engine import pooled_engine
+from adapters.postgres.engine import connection_ended, pooled_engine
 from adapters.postgres.outage import resume_leases_on_connect
 from adapters.postgres.queries import (
     ADVISORY_LOCK_NAMESPACE,
@@ -48,6 +52,7 @@ from adapters.postgres.queries import (
     orphaned_runs_query,
     recovery_candidates_query,
 )
+from adapters.postgres.results import fetched_rows
 from adapters.sql import operations, rows, statements
 from adapters.sql.credentials import SqlCredentialRepository
 from adapters.sql.history import SqlHistoryRepository
@@ -108,6 +113,8 @@ __all__ = [
     "recovery_candidates_query",
 ]
 
+T = TypeVar("T")
+
 DRIVER = "postgresql+psycopg"
 # How often lock_run re-reads the Run's latest Attempt when it changed while the locks were taken.
 LOCK_RUN_ATTEMPTS = 3
@@ -167,11 +174,6 @@ def _positional(sql: str, params: dict[str, Any]) -> tuple[str, list[Any]]:
     return text_, [params[name] for name in names]
 
 
-def _rows(cursor: RawCursor[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The rows of a cursor's statement; none for a command that returns none."""
-    return cursor.fetchall() if cursor.description is not None else []
-
-
 _SAVEPOINT = "ql3_statement"
 
 
@@ -195,6 +197,9 @@ class PostgresUnitOfWork(ConnectionTransaction):
 
     def __init__(self, store: PostgresStore) -> None:
         self._store = store
+        # The pooled connection, checked out for the ``with`` block; the SQLAlchemy connection
+        # around it is made only when a Core statement needs it (see :attr:`connection`).
+        self._pooled: PoolProxiedConnection | None = None
         self._connection: Connection | None = None
         self.runs: RunRepository = PostgresRunRepository(self)
         self.sessions: WorkerSessionRegistry = PostgresSessionRegistry(self)
@@ -218,11 +223,9 @@ class PostgresUnitOfWork(ConnectionTransaction):
         self._broken: str | None = None
 
     def __enter__(self) -> PostgresUnitOfWork:
-        if self._connection is not None:
+        if self._pooled is not None or self._connection is not None:
             raise RuntimeError("this unit of work is already in use")
-        connection = self._store.engine.connect()
-        connection.begin()
-        self._connection = connection
+        self._pooled = self._store.check_out()
         return self
 
     def __exit__(
@@ -232,12 +235,76 @@ class PostgresUnitOfWork(ConnectionTransaction):
         tb: TracebackType | None,
     ) -> None:
         connection, self._connection = self._connection, None
-        if connection is None:
-            return
+        pooled, self._pooled = self._pooled, None
+        if connection is not None:
+            try:
+                connection.rollback()
+            finally:
+                connection.close()
+        elif pooled is not None:
+            try:
+                # An invalidated connection (lost) has nothing left to roll back.
+                if pooled.is_valid:
+                    self._on_driver(pooled, lambda driver: driver.rollback(), "roll back")
+            finally:
+                self._store.check_in(pooled)
+
+    @property
+    def connection(self) -> Connection:
+        """The SQLAlchemy connection on this unit of work's pooled connection, in its
+        transaction, made on first use: the hot paths (:mod:`hot`) run on the driver alone and
+        a unit of work that only runs them never makes one."""
+        if self._connection is None:
+            if self._pooled is None:
+                raise RuntimeError("use the unit of work inside its `with` block")
+            self._connection = Connection(self._store.engine, connection=self._pooled)
+            self._connection.begin()
+        return self._connection
+
+    def _driver_connection(self) -> psycopg.Connection[Any]:
+        """The psycopg connection under this unit of work."""
+        pooled = self._connection.connection if self._connection is not None else self._pooled
+        driver = None if pooled is None else pooled.driver_connection
+        if driver is None:
+            raise RuntimeError("the unit of work has no open connection")
+        return cast("psycopg.Connection[Any]", driver)
+
+    def _on_driver(self, pooled: PoolProxiedConnection, call: Callable[[Any], T], label: str) -> T:
+        """``call`` on the driver's connection under ``pooled``, its errors raised as
+        SQLAlchemy's would be (see :meth:`_driver_error`)."""
+        driver = pooled.driver_connection
+        if driver is None:
+            raise RuntimeError(f"cannot {label}: the connection was lost and invalidated")
         try:
-            connection.rollback()
-        finally:
-            connection.close()
+            return call(driver)
+        except psycopg.Error as error:
+            raise self._driver_error(error, driver, label, pooled) from error
+
+    def _driver_error(
+        self,
+        error: psycopg.Error,
+        driver: Any,
+        label: str,
+        pooled: PoolProxiedConnection | None = None,
+    ) -> Exception:
+        """The same error as through SQLAlchemy: wrapped in its exception classes, and a lost
+        connection is invalidated so that the pool does not hand it out again."""
+        dialect = self._store.engine.dialect
+        lost = dialect.is_disconnect(cast(Any, error), driver, None)
+        if lost:
+            if self._connection is not None:
+                self._connection.invalidate(error)
+            elif (target := pooled if pooled is not None else self._pooled) is not None:
+                target.invalidate(error)
+        return DBAPIError.instance(
+            f"<{label}>",
+            None,
+            error,
+            psycopg.Error,
+            hide_parameters=True,
+            connection_invalidated=lost,
+            dialect=dialect,
+        )
 
     @property
     def clock_offset_ms(self) -> int:
@@ -253,7 +320,12 @@ class PostgresUnitOfWork(ConnectionTransaction):
     def commit(self) -> None:
         if self._broken is not None:
             raise ConcurrencyConflict(f"not committed: {self._broken}")
-        self.connection.commit()
+        if self._connection is not None:
+            self._connection.commit()
+        elif self._pooled is not None:
+            self._on_driver(self._pooled, lambda driver: driver.commit(), "commit")
+        else:
+            raise RuntimeError("use the unit of work inside its `with` block")
 
     def wake_claims(self) -> None:
         """Parked claims are woken when this transaction commits, as by an admission: it may
@@ -274,16 +346,14 @@ class PostgresUnitOfWork(ConnectionTransaction):
         """Several plain SQL statements sent together in one round trip (a pipeline), run by
         the server one after the other, each with its own snapshot; the rows of each. A failing
         statement fails the call and the server skips the ones after it."""
-        driver = self.connection.connection.driver_connection
-        if driver is None:
-            raise RuntimeError("the unit of work has no open connection")
+        driver = self._driver_connection()
         self._seen_held = {}
         try:
             if len(statements) == 1:
                 sql, params = statements[0]
                 with RawCursor(driver, row_factory=dict_row) as cursor:
                     cursor.execute(*_positional(sql, params))
-                    return [_rows(cursor)]
+                    return [fetched_rows(cursor)]
             cursors = [RawCursor(driver, row_factory=dict_row) for _ in statements]
             try:
                 with driver.pipeline():
@@ -293,26 +363,12 @@ class PostgresUnitOfWork(ConnectionTransaction):
                         # skipped, and the driver would take it for prepared all the same.
                         prepare = None if params else False
                         cursor.execute(*_positional(sql, params), prepare=prepare)
-                return [_rows(cursor) for cursor in cursors]
+                return [fetched_rows(cursor) for cursor in cursors]
             finally:
                 for cursor in cursors:
                     cursor.close()
         except psycopg.Error as error:
-            # The same errors as through SQLAlchemy: wrapped in its exception classes, and a
-            # lost connection is invalidated so that the pool does not hand it out again.
-            dialect = self.connection.dialect
-            lost = dialect.is_disconnect(cast(Any, error), driver, None)
-            if lost:
-                self.connection.invalidate(error)
-            raise DBAPIError.instance(
-                f"<{label}>",
-                None,
-                error,
-                psycopg.Error,
-                hide_parameters=True,
-                connection_invalidated=lost,
-                dialect=dialect,
-            ) from error
+            raise self._driver_error(error, driver, label) from error
 
     def execute_savepointed(
         self, sql: str, params: dict[str, Any], label: str
@@ -659,12 +715,23 @@ class PostgresEvidenceRepository(SqlEvidenceRepository[PostgresUnitOfWork]):
 # --- the store ---------------------------------------------------------------------------------
 
 
+@lru_cache(maxsize=64)
+def _page_statement(build: Callable[[int, int], Select], limit: int, offset_ms: int) -> Select:
+    """A candidate source's statement for ``limit`` and the clock offset, built once rather
+    than on every cycle: a Core statement does not change once built, and each source runs
+    with the same page size and (outside tests) the same offset every cycle."""
+    return build(limit, offset_ms)
+
+
 class PostgresStore:
     """Every port of the runtime on PostgreSQL, through one engine and its small pool."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self._clock_offset_ms = 0
+        # Per thread, inside holding_connection: whether it holds, and the connection it holds
+        # between two units of work (None while one uses it).
+        self._held = threading.local()
 
     @classmethod
     def from_url(
@@ -695,6 +762,47 @@ class PostgresStore:
 
     def unit_of_work(self) -> PostgresUnitOfWork:
         return PostgresUnitOfWork(self)
+
+    @contextmanager
+    def holding_connection(self) -> Iterator[None]:
+        """The units of work this thread opens inside, one after the other, run on one pooled
+        connection, each in its own transaction (:class:`application.ports.ConnectionHold`);
+        the connection goes back to the pool at the end. A connection the server has ended
+        meanwhile, or one that was lost, is given up for a fresh one, as at a checkout."""
+        held = self._held
+        if getattr(held, "holding", False):
+            yield  # already held further out
+            return
+        held.holding, held.connection = True, None
+        try:
+            yield
+        finally:
+            pooled, held.connection, held.holding = held.connection, None, False
+            if pooled is not None:
+                pooled.close()
+
+    def check_out(self) -> PoolProxiedConnection:
+        """A unit of work's connection: the one this thread holds, else one from the pool."""
+        held = self._held
+        pooled = getattr(held, "connection", None)
+        if pooled is not None:
+            held.connection = None
+            driver = pooled.driver_connection
+            if pooled.is_valid and driver is not None:
+                if not connection_ended(driver):
+                    return pooled
+                pooled.invalidate()
+            pooled.close()
+        return self.engine.raw_connection()
+
+    def check_in(self, pooled: PoolProxiedConnection) -> None:
+        """Kept for this thread's next unit of work while it holds one, else back to the
+        pool."""
+        held = self._held
+        if getattr(held, "holding", False) and held.connection is None and pooled.is_valid:
+            held.connection = pooled
+        else:
+            pooled.close()
 
     def close(self) -> None:
         self.engine.dispose()
@@ -731,7 +839,9 @@ class PostgresStore:
 
     def recovery_candidates(self, limit: int) -> Page[RecoveryCandidate]:
         check_page_limit(limit)
-        now, found = self._page_rows(recovery_candidates_query(limit, self._clock_offset_ms))
+        now, found = self._page_rows(
+            _page_statement(recovery_candidates_query, limit, self._clock_offset_ms)
+        )
         items = tuple(
             RecoveryCandidate(
                 run_id=row["run_id"],
@@ -758,15 +868,19 @@ class PostgresStore:
 
     def lost_runs(self, limit: int) -> Page[RunCandidate]:
         check_page_limit(limit)
-        return self._run_page(lost_runs_query(limit, self._clock_offset_ms), limit)
+        return self._run_page(_page_statement(lost_runs_query, limit, self._clock_offset_ms), limit)
 
     def due_retries(self, limit: int) -> Page[RunCandidate]:
         check_page_limit(limit)
-        return self._run_page(due_retries_query(limit, self._clock_offset_ms), limit)
+        return self._run_page(
+            _page_statement(due_retries_query, limit, self._clock_offset_ms), limit
+        )
 
     def orphaned_runs(self, limit: int) -> Page[RunCandidate]:
         check_page_limit(limit)
-        return self._run_page(orphaned_runs_query(limit, self._clock_offset_ms), limit)
+        return self._run_page(
+            _page_statement(orphaned_runs_query, limit, self._clock_offset_ms), limit
+        )
 
     def dispatch_gate(self) -> DispatchGate:
         with self.engine.connect() as connection:

@@ -22,6 +22,7 @@ import psycopg
 from psycopg.rows import dict_row
 
 from adapters.postgres.batch import add_many_statement
+from adapters.postgres.results import fetched_rows
 from adapters.sql import submit_sql
 from domain.errors import ConcurrencyConflict
 from domain.transitions import Change
@@ -76,7 +77,7 @@ class PostgresSubmitUnitOfWork:
         """Plain SQL in this transaction (the driver begins it with the first statement)."""
         with self.connection.cursor() as cursor:
             cursor.execute(sql, params)
-            return cursor.fetchall() if cursor.description is not None else []
+            return fetched_rows(cursor)
 
     def now_ms(self) -> int:
         (row,) = self.rows(submit_sql.POSTGRES_NOW, {"clock_offset_ms": 0})

@@ -4,6 +4,8 @@ rule (no candidate is started once one has failed)."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import TracebackType
 
 import pytest
@@ -120,3 +122,45 @@ def test_a_failure_stops_the_pass_and_no_candidate_starts_after_it(concurrency: 
 def test_concurrency_is_checked(bad: object) -> None:
     with pytest.raises((ValueError, TypeError)):
         RuntimeRecovery(Factory(False), Source(1), concurrency=bad)  # type: ignore[arg-type]
+
+
+class Hold:
+    """Counts the holds entered, and the threads that opened a unit of work outside one."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.entered = 0
+        self.inside: set[int] = set()
+
+    @contextmanager
+    def __call__(self) -> Iterator[None]:
+        ident = threading.get_ident()
+        with self.lock:
+            self.entered += 1
+            self.inside.add(ident)
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.inside.discard(ident)
+
+
+@pytest.mark.parametrize("concurrency", [1, 2, 4])
+def test_each_thread_of_a_pass_resolves_its_candidates_inside_one_hold(concurrency: int) -> None:
+    hold = Hold()
+    outside: list[int] = []
+
+    class HeldFactory(Factory):
+        def enter(self) -> None:
+            if threading.get_ident() not in hold.inside:
+                outside.append(threading.get_ident())
+            super().enter()
+
+    factory = HeldFactory(fail_first=False, together=concurrency)
+    recovery = RuntimeRecovery(
+        factory, Source(16), page_size=16, concurrency=concurrency, hold=hold
+    )
+    report = recovery.run_once()
+    assert report.moved_on == 16 and factory.calls == 16
+    assert outside == []
+    assert hold.entered == concurrency and hold.inside == set()

@@ -42,7 +42,7 @@ import os
 import sqlite3
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from functools import lru_cache
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -102,6 +102,7 @@ from application.ports import (
     TriggerRepository,
     WorkerSessionRegistry,
     WorkflowRepository,
+    no_connection_hold,
 )
 from domain.dispatch import TaskLimit
 from domain.errors import ConcurrencyConflict
@@ -621,6 +622,10 @@ class SqliteStore:
 
     def unit_of_work(self) -> SqliteUnitOfWork:
         return SqliteUnitOfWork(self)
+
+    def holding_connection(self) -> AbstractContextManager[None]:
+        """The :class:`~application.ports.ConnectionHold`: nothing to hold here."""
+        return no_connection_hold()
 
     def close(self) -> None:
         self.engine.dispose()
