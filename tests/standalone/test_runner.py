@@ -17,6 +17,7 @@ import pytest
 from adapters.standalone import AlreadyRunning, StandaloneRunner
 from adapters.standalone.runner import MIN_CYCLE_GAP_S
 from application.queries import RunQueries
+from application.worker_commands import Grant
 from bootstrap import edge, standalone
 from domain.model import AttemptStatus, EvidenceKind, RunStatus, SessionStatus
 from domain.policy import Backoff, RetryPolicy, Safety
@@ -115,21 +116,27 @@ def test_a_resident_standalone_process_keeps_its_cadence(serve: Any) -> None:
     assert cycles >= 3
 
 
+def _claimed_by_a_vanished_process(tmp_path: Path) -> tuple[str, Grant]:
+    """The "previous process" on the database: its session claimed and started an idempotent
+    run (a lease of 1 s), then the process vanished. The run's id and its grant."""
+    before = edge.build(database_path=str(tmp_path / "ql3.sqlite"), lease_ttl_s=1.0)
+    try:
+        commands = before.core.worker_commands()
+        grant = commands.register("standalone", 2, ["hold"])
+        run_id = before.core.admission().submit(
+            "hold", {"dir": str(tmp_path), "name": "r", "first_s": 0, "later_s": 0}, SAFE
+        )
+        (claimed,) = commands.claim(grant.session_id, grant.secret, limit=1).grants
+        assert claimed.run_id == run_id
+        return run_id, claimed
+    finally:
+        before.store().close()
+
+
 def test_edge_sleeps_until_the_leases_of_the_previous_process_expire_and_the_retry_is_due(
     serve: Any, tmp_path: Path
 ) -> None:
-    # The "previous process": its session claimed and started an idempotent run, then the
-    # process vanished.
-    database = str(tmp_path / "ql3.sqlite")
-    before = edge.build(database_path=database, lease_ttl_s=1.0)
-    commands = before.core.worker_commands()
-    grant = commands.register("standalone", 2, ["hold"])
-    run_id = before.core.admission().submit(
-        "hold", {"dir": str(tmp_path), "name": "r", "first_s": 0, "later_s": 0}, SAFE
-    )
-    answer = commands.claim(grant.session_id, grant.secret, limit=1)
-    assert [g.run_id for g in answer.grants] == [run_id]
-    before.store().close()
+    run_id, _ = _claimed_by_a_vanished_process(tmp_path)
 
     started = time.monotonic()
     served = serve(edge, lease_ttl_s=1.0)
@@ -151,17 +158,8 @@ def test_edge_sleeps_until_the_leases_of_the_previous_process_expire_and_the_ret
 def test_a_lease_that_expires_while_startup_recovery_runs_gets_the_second_pass_at_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    database = str(tmp_path / "ql3.sqlite")
-    before = edge.build(database_path=database, lease_ttl_s=1.0)
-    commands = before.core.worker_commands()
-    grant = commands.register("standalone", 2, ["hold"])
-    run_id = before.core.admission().submit(
-        "hold", {"dir": str(tmp_path), "name": "r", "first_s": 0, "later_s": 0}, SAFE
-    )
-    (claimed,) = commands.claim(grant.session_id, grant.secret, limit=1).grants
-    before.store().close()
-
-    container = edge.build(database_path=database, lease_ttl_s=1.0)
+    run_id, claimed = _claimed_by_a_vanished_process(tmp_path)
+    container = edge.build(database_path=str(tmp_path / "ql3.sqlite"), lease_ttl_s=1.0)
     lines: list[str] = []
     runner = container.runner(tasks=TASKS, emit=lines.append)
     startup = runner._startup
