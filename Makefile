@@ -11,7 +11,7 @@ venv: $(VENV)/.installed bytecode
 # install compiles none, and with PYTHONDONTWRITEBYTECODE set every process would compile each
 # module it imports again (about a fifth of the start-up of ql3 standalone). Stale files are
 # recompiled; Python checks each against its source anyway.
-PACKAGES = adapters application bootstrap domain ql3 benchmarks
+PACKAGES = ql3 benchmarks
 
 bytecode: $(VENV)/.installed
 	$(VENV)/bin/python -m compileall -q $(PACKAGES) >/dev/null

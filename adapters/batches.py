@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from application.ports import Snapshot
-from domain.transitions import Change
+from ql3.application.ports import Snapshot
+from ql3.domain.transitions import Change
 
 
 class _OneByOne(Protocol):

@@ -1,4 +1,4 @@
-"""Cron fire times with croniter: the :class:`application.ports.CronCalendar` of every profile.
+"""Cron fire times with croniter: the :class:`ql3.application.ports.CronCalendar` of every profile.
 
 Expressions have the five standard fields (minute, hour, day of month, month, day of week) or are
 one of croniter's ``@hourly``-style aliases, and are read in UTC. Times cross this edge as integer
@@ -13,7 +13,7 @@ import math
 from attrs import frozen
 from croniter import CroniterBadCronError, CroniterBadDateError, CroniterError, croniter
 
-from domain.errors import InvalidTrigger
+from ql3.domain.errors import InvalidTrigger
 
 _BAD = (CroniterBadCronError, CroniterBadDateError, CroniterError, ValueError, KeyError)
 

@@ -1,8 +1,8 @@
 """Prometheus metrics (ADR 0010).
 
-:class:`PrometheusMetrics` implements :class:`application.ports.Metrics`: counters of what this
+:class:`PrometheusMetrics` implements :class:`ql3.application.ports.Metrics`: counters of what this
 process did, as it did it. :class:`OperationsCollector` is the gauges: on each scrape, and only
-then, it reads the store's :meth:`~application.ports.OperationsSource.operations_view` (bounded
+then, it reads the store's :meth:`~ql3.application.ports.OperationsSource.operations_view` (bounded
 queries over live rows; never on the cadence). Label values come from the domain's enums, the
 step names and the task names; no secret, token or input ever becomes a label."""
 
@@ -16,10 +16,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from application.ports import OperationsSource, OperationsView
-from domain.events import EventType, RunEvent
-from domain.model import SessionStatus
-from domain.states import OPEN_SESSION_STATUSES
+from ql3.application.ports import OperationsSource, OperationsView
+from ql3.domain.events import EventType, RunEvent
+from ql3.domain.model import SessionStatus
+from ql3.domain.states import OPEN_SESSION_STATUSES
 
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 # Never-started Attempts are lost without evidence: they need none.

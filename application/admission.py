@@ -9,13 +9,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from domain.errors import ConcurrencyConflict, InvalidAdmission
-from domain.model import JsonValue, RunOwner, RunStatus
-from domain.policy import RetryPolicy
-from domain.transitions import Change, admit, cancel, due_time
+from ql3.domain.errors import ConcurrencyConflict, Error, InvalidAdmission
+from ql3.domain.model import JsonValue, RunOwner, RunStatus
+from ql3.domain.policy import RetryPolicy
+from ql3.domain.transitions import Change, admit, cancel, due_time
 
 if TYPE_CHECKING:
-    from application.ports import (
+    from ql3.application.ports import (
         AdmissionUnitOfWork,
         AdmissionUnitOfWorkFactory,
         Identities,
@@ -28,7 +28,7 @@ MAX_BATCH = 10_000
 KEY_ROUNDS = 3
 
 
-class UnknownRun(LookupError):
+class UnknownRun(Error, LookupError):
     """No Run with that id."""
 
 

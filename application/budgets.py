@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+from ql3.domain.errors import Error
+
 # The largest page any bounded step reads, and the page a step reads when not told.
 HARD_PAGE_CAP = 64
 DEFAULT_PAGE_SIZE = 16
 
-# Runs a prune deletes per transaction (application.history).
+# Runs a prune deletes per transaction (ql3.application.history).
 DEFAULT_BATCH_SIZE = 500
 MAX_BATCH_SIZE = 10_000
 
 
-class InvalidPageSize(ValueError):
+class InvalidPageSize(Error, ValueError):
     """A page budget outside 1..HARD_PAGE_CAP."""
 
 

@@ -13,9 +13,9 @@ import hmac
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from application.ports import CredentialUnitOfWorkFactory, Identities
-from application.worker_commands import SessionGrant, open_session
-from domain.credentials import (
+from ql3.application.ports import CredentialUnitOfWorkFactory, Identities
+from ql3.application.worker_commands import SessionGrant, open_session
+from ql3.domain.credentials import (
     CredentialEvent,
     CredentialRefusal,
     CredentialRejected,
@@ -26,7 +26,7 @@ from domain.credentials import (
     issue_credential,
     revoke_credential,
 )
-from domain.fence import hash_token
+from ql3.domain.fence import hash_token
 
 SECRET_PREFIX = "ql3w_"
 MAX_SECRET_LENGTH = 256

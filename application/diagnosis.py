@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from application.ports import StepFailure
+from ql3.application.ports import StepFailure
 
 MAX_ERROR_LENGTH = 500
 

@@ -1,19 +1,20 @@
 """Step 5 of the cadence, task attempt admission: the dispatch gate (ADR 0007).
 
-Workers claim queued Attempts themselves (:meth:`application.worker_commands.WorkerCommands.claim`);
-what the cadence keeps is the reason ADR-0232 runs admission after recovery and lost retry: no
-new work is dispatched while lease authority is unknown. A failed recovery or lost-retry step
-closes the gate (:meth:`DispatchGateStep.close`, called by the cluster coordinator); step 5 of a
-later cycle whose earlier steps all succeeded opens it again, unless the gate closed after that
-cycle's recovery step began (another replica's failure, reported meanwhile). Claims grant
-nothing while it is closed and say why."""
+Workers claim queued Attempts themselves
+(:meth:`ql3.application.worker_commands.WorkerCommands.claim`); what the cadence keeps is the
+reason ADR-0232 runs admission after recovery and lost retry: no new work is dispatched while lease
+authority is unknown. A failed recovery or lost-retry step closes the gate
+(:meth:`DispatchGateStep.close`, called by the cluster coordinator); step 5 of a later cycle whose
+earlier steps all succeeded opens it again, unless the gate closed after that cycle's recovery
+step began (another replica's failure, reported meanwhile). Claims grant nothing while it is
+closed and say why."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from application.diagnosis import FailingCandidate, next_failure
-from application.ports import DispatchGate, DispatchGateSource, SchedulerUnitOfWorkFactory
+from ql3.application.diagnosis import FailingCandidate, next_failure
+from ql3.application.ports import DispatchGate, DispatchGateSource, SchedulerUnitOfWorkFactory
 
 MAX_REASON_LENGTH = 500
 

@@ -14,20 +14,21 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from application.budgets import DEFAULT_BATCH_SIZE, MAX_BATCH_SIZE
-from application.ports import PrunedRows, PruneMark, SchedulerUnitOfWorkFactory
-from domain.history import batch_take, finished_before
-from domain.model import JsonValue
+from ql3.application.budgets import DEFAULT_BATCH_SIZE, MAX_BATCH_SIZE
+from ql3.application.ports import PrunedRows, PruneMark, SchedulerUnitOfWorkFactory
+from ql3.domain.errors import Error
+from ql3.domain.history import batch_take, finished_before
+from ql3.domain.model import JsonValue
 
 _UNITS_MS = {"d": 86_400_000, "h": 3_600_000, "m": 60_000, "s": 1_000}
 _DURATION = re.compile(r"(\d{1,9})([dhms])")
 
 
-class InvalidDuration(ValueError):
+class InvalidDuration(Error, ValueError):
     """An age that is not a whole number of days, hours, minutes or seconds."""
 
 
-class InvalidBatchSize(ValueError):
+class InvalidBatchSize(Error, ValueError):
     """A batch size outside 1..MAX_BATCH_SIZE."""
 
 

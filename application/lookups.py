@@ -4,6 +4,8 @@ cases that raise them."""
 
 from __future__ import annotations
 
+from ql3.domain.errors import Error
 
-class UnknownAttempt(LookupError):
+
+class UnknownAttempt(Error, LookupError):
     """No Attempt with that id."""

@@ -8,9 +8,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from application.budgets import validate_page_size
-from application.diagnosis import CandidateFailed
-from application.ports import (
+from ql3.application.budgets import validate_page_size
+from ql3.application.diagnosis import CandidateFailed
+from ql3.application.ports import (
     NO_METRICS,
     Identities,
     LostRetryCandidateSource,
@@ -20,9 +20,9 @@ from application.ports import (
     UnitOfWork,
     UnitOfWorkFactory,
 )
-from domain.events import EventType, RunEvent
-from domain.model import AttemptStatus
-from domain.retry import (
+from ql3.domain.events import EventType, RunEvent
+from ql3.domain.model import AttemptStatus
+from ql3.domain.retry import (
     is_due_retry,
     is_lost_retry_candidate,
     settle_lost_run,

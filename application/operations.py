@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from application.admission import UnknownRun
-from application.ports import (
+from ql3.application.admission import UnknownRun
+from ql3.application.ports import (
     HARD_PAGE_CAP,
     NodeCycle,
     OperationsSource,
@@ -18,9 +18,9 @@ from application.ports import (
     StepFailure,
     UnitOfWorkFactory,
 )
-from domain.model import JsonValue, Run
-from domain.quarantine import quarantine, unquarantine
-from domain.transitions import Change
+from ql3.domain.model import JsonValue, Run
+from ql3.domain.quarantine import quarantine, unquarantine
+from ql3.domain.transitions import Change
 
 
 class Quarantines:

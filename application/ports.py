@@ -3,7 +3,7 @@
 Every store (memory, PostgreSQL, SQLite) implements all of them. A :class:`UnitOfWork` is one
 transaction: leaving its ``with`` block without :meth:`UnitOfWork.commit` rolls everything back.
 Writes are compare-and-set against the ``before`` values the transaction locked; a write that
-matches no row raises :class:`domain.errors.ConcurrencyConflict`, never succeeds silently.
+matches no row raises :class:`ql3.domain.errors.ConcurrencyConflict`, never succeeds silently.
 """
 
 from __future__ import annotations
@@ -15,16 +15,16 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 # The page budgets are the ports' too (every page a port reads is bounded by them).
-from application.budgets import DEFAULT_PAGE_SIZE as DEFAULT_PAGE_SIZE
-from application.budgets import HARD_PAGE_CAP as HARD_PAGE_CAP
+from ql3.application.budgets import DEFAULT_PAGE_SIZE as DEFAULT_PAGE_SIZE
+from ql3.application.budgets import HARD_PAGE_CAP as HARD_PAGE_CAP
 
 if TYPE_CHECKING:
     # Annotations only: a submit imports the ports without the domain's triggers, workflows
     # and credentials (ADR 0009).
-    from domain.credentials import CredentialEvent, WorkerCredential
-    from domain.dispatch import TaskLimit
-    from domain.events import RunEvent
-    from domain.model import (
+    from ql3.domain.credentials import CredentialEvent, WorkerCredential
+    from ql3.domain.dispatch import TaskLimit
+    from ql3.domain.events import RunEvent
+    from ql3.domain.model import (
         Attempt,
         AttemptStatus,
         DispatchLease,
@@ -33,9 +33,9 @@ if TYPE_CHECKING:
         StopReport,
         WorkerSession,
     )
-    from domain.transitions import Change
-    from domain.triggers import FireSchedule, Trigger, TriggerFiring
-    from domain.workflows import WorkflowStep
+    from ql3.domain.transitions import Change
+    from ql3.domain.triggers import FireSchedule, Trigger, TriggerFiring
+    from ql3.domain.workflows import WorkflowStep
 
 T = TypeVar("T")
 
@@ -378,7 +378,7 @@ class HistoryRepository(Protocol):
     def prunable(
         self, finished_before_ms: int, limit: int, after: PruneMark | None = None
     ) -> Sequence[PrunableRun]:
-        """Up to ``limit`` top-level Runs that :func:`domain.history.is_prunable` says a prune
+        """Up to ``limit`` top-level Runs that :func:`ql3.domain.history.is_prunable` says a prune
         with this cutoff deletes, oldest last change first (then by id), after ``after``; each
         workflow aggregate with its step Runs. The Runs picked are locked for deletion; a Run
         another transaction holds is skipped, never waited for (PostgreSQL: ``FOR UPDATE SKIP

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from application.ports import SchedulerUnitOfWorkFactory
-from domain.model import Attempt, DispatchLease, JsonValue, Run, RunOwner, RunStatus
-from domain.recovery import find_not_running_evidence, is_recovery_candidate
-from domain.workflows import WorkflowStep
+from ql3.application.ports import SchedulerUnitOfWorkFactory
+from ql3.domain.model import Attempt, DispatchLease, JsonValue, Run, RunOwner, RunStatus
+from ql3.domain.recovery import find_not_running_evidence, is_recovery_candidate
+from ql3.domain.workflows import WorkflowStep
 
 
 @dataclass(frozen=True, slots=True)

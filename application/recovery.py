@@ -7,9 +7,9 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from application.budgets import validate_page_size
-from application.diagnosis import CandidateFailed
-from application.ports import (
+from ql3.application.budgets import validate_page_size
+from ql3.application.diagnosis import CandidateFailed
+from ql3.application.ports import (
     NO_METRICS,
     ConnectionHold,
     Metrics,
@@ -19,8 +19,8 @@ from application.ports import (
     UnitOfWorkFactory,
     no_connection_hold,
 )
-from domain.recovery import RecoveryHold, find_not_running_evidence, resolve_recovery
-from domain.transitions import Change
+from ql3.domain.recovery import RecoveryHold, find_not_running_evidence, resolve_recovery
+from ql3.domain.transitions import Change
 
 # Recovery transactions of one replica running at once (each on its own connection).
 MAX_CONCURRENCY = 8

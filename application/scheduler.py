@@ -16,8 +16,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-from application.diagnosis import CandidateFailed, FailingCandidate, describe
-from application.ports import NO_METRICS, Metrics, NodeCycle, NodeRegistry
+from ql3.application.diagnosis import CandidateFailed, FailingCandidate, describe
+from ql3.application.ports import NO_METRICS, Metrics, NodeCycle, NodeRegistry
 
 
 class StepReport(Protocol):

@@ -9,20 +9,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from application.budgets import validate_page_size
-from application.lost_retry import settle_lost_candidate, start_due_retry
-from application.ports import (
+from ql3.application.budgets import validate_page_size
+from ql3.application.lost_retry import settle_lost_candidate, start_due_retry
+from ql3.application.ports import (
     Identities,
     LostRetryCandidateSource,
     RecoveryCandidateSource,
     StartupCandidateSource,
     UnitOfWorkFactory,
 )
-from application.recovery import recover_candidate
-from domain.errors import InvalidTransition
-from domain.events import EventType
-from domain.recovery import RecoveryHold
-from domain.transitions import create_first_attempt
+from ql3.application.recovery import recover_candidate
+from ql3.domain.errors import InvalidTransition
+from ql3.domain.events import EventType
+from ql3.domain.recovery import RecoveryHold
+from ql3.domain.transitions import create_first_attempt
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from application.ports import UnitOfWorkFactory
-from domain.dispatch import TaskLimit, task_limit
+from ql3.application.ports import UnitOfWorkFactory
+from ql3.domain.dispatch import TaskLimit, task_limit
 
 
 class TaskLimits:

@@ -14,11 +14,11 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from application.admission import AdmissionRequest
-from domain.dispatch import task_limit
-from domain.errors import InvalidAdmission
-from domain.model import MAX_TIMEOUT_MS, JsonValue
-from domain.policy import Backoff, RetryPolicy, Safety
+from ql3.application.admission import AdmissionRequest
+from ql3.domain.dispatch import task_limit
+from ql3.domain.errors import InvalidAdmission
+from ql3.domain.model import MAX_TIMEOUT_MS, JsonValue
+from ql3.domain.policy import Backoff, RetryPolicy, Safety
 
 F = TypeVar("F", bound=Callable[..., Any])
 

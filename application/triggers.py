@@ -12,18 +12,18 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from application.budgets import validate_page_size
-from application.ports import (
+from ql3.application.budgets import validate_page_size
+from ql3.application.ports import (
     CronCalendar,
     Identities,
     SchedulerUnitOfWork,
     SchedulerUnitOfWorkFactory,
     TriggerSource,
 )
-from domain.errors import ConcurrencyConflict, DomainError, InvalidTrigger
-from domain.model import JsonValue
-from domain.policy import RetryPolicy
-from domain.triggers import (
+from ql3.domain.errors import ConcurrencyConflict, DomainError, Error, InvalidTrigger
+from ql3.domain.model import JsonValue
+from ql3.domain.policy import RetryPolicy
+from ql3.domain.triggers import (
     DEFAULT_CATCH_UP_LIMIT,
     CatchUp,
     FireSchedule,
@@ -44,7 +44,7 @@ from domain.triggers import (
 _Decide = Callable[[SchedulerUnitOfWork, Trigger], Trigger]
 
 
-class UnknownTrigger(LookupError):
+class UnknownTrigger(Error, LookupError):
     """No trigger (that is not deleted) with that name."""
 
 

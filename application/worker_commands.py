@@ -13,8 +13,8 @@ import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from application.lookups import UnknownAttempt
-from application.ports import (
+from ql3.application.lookups import UnknownAttempt
+from ql3.application.ports import (
     NO_METRICS,
     ClaimLock,
     Identities,
@@ -23,8 +23,8 @@ from application.ports import (
     UnitOfWork,
     UnitOfWorkFactory,
 )
-from domain.dispatch import fair_pick
-from domain.errors import (
+from ql3.domain.dispatch import fair_pick
+from ql3.domain.errors import (
     ConcurrencyConflict,
     DomainError,
     FenceReason,
@@ -33,14 +33,14 @@ from domain.errors import (
     InvalidTransition,
     SessionRejected,
 )
-from domain.fence import (
+from ql3.domain.fence import (
     LeaseFence,
     check_holder,
     hash_token,
     released_for_cancel,
     secrets_match,
 )
-from domain.model import (
+from ql3.domain.model import (
     Attempt,
     AttemptStatus,
     DispatchLease,
@@ -51,10 +51,10 @@ from domain.model import (
     SessionStatus,
     WorkerSession,
 )
-from domain.recovery import report_stopped
-from domain.sessions import close, drain, heartbeat, register_session
-from domain.states import OPEN_SESSION_STATUSES
-from domain.transitions import Change, abandon, claim, complete, release, renew
+from ql3.domain.recovery import report_stopped
+from ql3.domain.sessions import close, drain, heartbeat, register_session
+from ql3.domain.states import OPEN_SESSION_STATUSES
+from ql3.domain.transitions import Change, abandon, claim, complete, release, renew
 
 MIN_TOKEN_LENGTH = 22  # 22 URL-safe base64 characters carry 132 bits
 MAX_TOKEN_LENGTH = 256
@@ -396,7 +396,7 @@ class WorkerCommands:
 
         The claim takes the session's row lock, so two claims of one session count its
         capacity one after the other; it grants nothing while the dispatch gate is closed or
-        the session drains, and says why. Each grant is one :func:`domain.transitions.claim`
+        the session drains, and says why. Each grant is one :func:`ql3.domain.transitions.claim`
         change, fair across tasks."""
         if not 0 <= limit <= MAX_CLAIM:
             raise InvalidAdmission(f"a claim asks for 0..{MAX_CLAIM} attempts")

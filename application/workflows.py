@@ -12,17 +12,17 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from application.budgets import validate_page_size
-from application.ports import (
+from ql3.application.budgets import validate_page_size
+from ql3.application.ports import (
     Identities,
     SchedulerUnitOfWork,
     SchedulerUnitOfWorkFactory,
     WorkflowFrontierSource,
 )
-from domain.errors import ConcurrencyConflict
-from domain.model import Run, RunOwner, RunStatus
-from domain.transitions import cancel
-from domain.workflows import (
+from ql3.domain.errors import ConcurrencyConflict, Error
+from ql3.domain.model import Run, RunOwner, RunStatus
+from ql3.domain.transitions import cancel
+from ql3.domain.workflows import (
     NOT_STARTED_RUN_STATUSES,
     StepStatus,
     WorkflowSpec,
@@ -37,7 +37,7 @@ from domain.workflows import (
 _WITH_RUN = frozenset({StepStatus.ADMITTED, StepStatus.SUCCEEDED})
 
 
-class UnknownWorkflow(LookupError):
+class UnknownWorkflow(Error, LookupError):
     """No workflow aggregate Run with that id."""
 
 

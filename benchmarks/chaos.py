@@ -551,7 +551,7 @@ def _wait_for_completions(ledger: str, count: int, timeout_s: float, system: Sys
 def run_system(
     name: str, server: PrivateServer, args: argparse.Namespace, workdir: str
 ) -> tuple[list[PhaseFigures], list[dict[str, Any]], dict[str, Any]]:
-    from adapters.postgres.migrate import upgrade
+    from ql3.adapters.postgres.migrate import upgrade
 
     database = f"chaos_{name}"
     with psycopg.connect(conninfo(server.admin_url), autocommit=True) as admin:

@@ -203,8 +203,8 @@ class Ql3(System):
 
     @contextmanager
     def submitter(self) -> Iterator[Submit]:
-        from bootstrap.cluster import build
-        from domain.policy import Backoff, RetryPolicy, Safety
+        from ql3.bootstrap.cluster import build
+        from ql3.domain.policy import Backoff, RetryPolicy, Safety
 
         policies = {
             "idempotent": RetryPolicy(
@@ -228,9 +228,9 @@ class Ql3(System):
             container.store().close()
 
     def verdicts(self, keys: set[str], ledger_ends: set[str]) -> dict[str, str]:
-        from application.queries import RunQueries
-        from bootstrap.cluster import build
-        from domain.model import TERMINAL_RUN_STATUSES
+        from ql3.application.queries import RunQueries
+        from ql3.bootstrap.cluster import build
+        from ql3.domain.model import TERMINAL_RUN_STATUSES
 
         terminal = {status.value for status in TERMINAL_RUN_STATUSES}
         with connect(self.database_url, autocommit=True) as conn:

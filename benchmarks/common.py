@@ -2,7 +2,7 @@
 
 A benchmark talks to one PostgreSQL server, named by an *admin* URL (``QL3_BENCH_DATABASE_URL``,
 else ``postgresql+psycopg://postgres@127.0.0.1:5432/postgres``). It creates its own databases on
-that server, migrates them with :func:`adapters.postgres.migrate.upgrade` and drops them when it
+that server, migrates them with :func:`ql3.adapters.postgres.migrate.upgrade` and drops them when it
 is done, also when it fails or is interrupted.
 """
 
@@ -167,7 +167,7 @@ def throwaway_database(admin: str, prefix: str) -> Iterator[tuple[str, str]]:
 @contextmanager
 def migrated_database(admin: str, prefix: str) -> Iterator[str]:
     """A throwaway database migrated to the newest revision of the store's schema."""
-    from adapters.postgres.migrate import upgrade
+    from ql3.adapters.postgres.migrate import upgrade
 
     with throwaway_database(admin, prefix) as (_, url):
         upgrade(url)

@@ -300,7 +300,7 @@ def describe_statement(statement: str) -> str:
 
 
 def measure_cycles(url: str, cycles: int) -> dict[str, Any]:
-    from bootstrap.cluster import build
+    from ql3.bootstrap.cluster import build
 
     container = build(database_url=url)
     store = container.store()
@@ -344,7 +344,7 @@ def measure_cycles(url: str, cycles: int) -> dict[str, Any]:
 
 def _scrape_timings(store: Any, count: int) -> list[float]:
     """What a metrics scrape (or ``ql3 status``) reads: the operations view, ``count`` times."""
-    from application.ports import HARD_PAGE_CAP
+    from ql3.application.ports import HARD_PAGE_CAP
 
     store.operations_view(HARD_PAGE_CAP)  # warm
     timings: list[float] = []

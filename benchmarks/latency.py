@@ -258,7 +258,7 @@ async def run_phases(
 
 
 def ql3_side(args: argparse.Namespace, admin: str) -> dict[str, Any]:
-    from bootstrap.cluster import build
+    from ql3.bootstrap.cluster import build
 
     with (
         migrated_database(admin, "ql3_bench_latency") as url,

@@ -1,7 +1,7 @@
 """Real ``ql3 serve``, ``ql3 worker`` and ``ql3 standalone`` processes (and the consumers of the
 reference queues) for the benchmarks that drive them.
 
-:class:`Processes` starts them as ``python -m adapters.cli.main ...`` (or ``python -m MODULE``)
+:class:`Processes` starts them as ``python -m ql3.adapters.cli.main ...`` (or ``python -m MODULE``)
 children of the benchmark (each with its output in a log file of a private temporary directory),
 waits until a node listens, and stops every process it started, by its id, when the ``with``
 block ends: SIGTERM, then SIGKILL if it does not end in time. A process that dies early or never
@@ -144,7 +144,7 @@ class Processes:
         self,
         name: str,
         argv: Sequence[str],
-        module: str = "adapters.cli.main",
+        module: str = "ql3.adapters.cli.main",
         extra_env: Mapping[str, str] | None = None,
     ) -> Process:
         log = Path(self._workdir.name) / f"{name}-{len(self._started)}.log"
@@ -173,7 +173,7 @@ class Processes:
         self,
         name: str,
         argv: Sequence[str],
-        module: str = "adapters.cli.main",
+        module: str = "ql3.adapters.cli.main",
         env: Mapping[str, str] | None = None,
     ) -> Process:
         """``python -m MODULE ARGV...`` (``ql3 ARGV...`` by default) with ``env`` added to its
@@ -209,7 +209,7 @@ class Processes:
     def ql3(self, *argv: str, env: dict[str, str] | None = None) -> None:
         """A one-shot ``ql3`` command on the benchmark's database; fails with its stderr."""
         done = subprocess.run(
-            [sys.executable, "-m", "adapters.cli.main", *argv],
+            [sys.executable, "-m", "ql3.adapters.cli.main", *argv],
             cwd=PROJECT_ROOT,
             capture_output=True,
             text=True,

@@ -143,7 +143,7 @@ def recover_round(
 ) -> tuple[dict[str, float | None], Process]:
     """Kill ``victim`` mid-task, restart its worker id, time the recovery. Returns the
     round's figures and the restarted worker (the next round's victim)."""
-    from domain.policy import Backoff, RetryPolicy, Safety
+    from ql3.domain.policy import Backoff, RetryPolicy, Safety
 
     policy = RetryPolicy(
         retry_on_lost=True,
@@ -204,7 +204,7 @@ def _rounded(values: list[float | None], digits: int = 3) -> list[float | None]:
 
 
 def main(args: argparse.Namespace, admin: str) -> int:
-    from bootstrap.cluster import build
+    from ql3.bootstrap.cluster import build
 
     total = Stopwatch()
     lease_ttl, cadence = args.lease_ttl, args.cadence

@@ -27,7 +27,6 @@ from typing import Any
 
 from sqlalchemy import event
 
-from application.ports import HARD_PAGE_CAP
 from benchmarks.common import (
     BenchmarkError,
     Stopwatch,
@@ -42,6 +41,7 @@ from benchmarks.common import (
     server_address,
     throwaway_database,
 )
+from ql3.application.ports import HARD_PAGE_CAP
 
 TARGET_RATIO = 0.8
 RECOVERY_PAGE_SIZE_SETTING = 64
@@ -171,7 +171,7 @@ def count_candidates(url: str) -> int:
     from sqlalchemy import create_engine, func, select
     from sqlalchemy.pool import NullPool
 
-    from adapters.postgres.queries import recovery_candidates_query
+    from ql3.adapters.postgres.queries import recovery_candidates_query
 
     query = recovery_candidates_query(10_000_000).subquery()
     engine = create_engine(url, poolclass=NullPool)
@@ -264,7 +264,7 @@ def run_recovery(
     profiler: cProfile.Profile | None,
     concurrency: int | None = None,
 ) -> dict[str, Any]:
-    from bootstrap.cluster import build
+    from ql3.bootstrap.cluster import build
 
     settings: dict[str, Any] = {"recovery_page_size": RECOVERY_PAGE_SIZE_SETTING}
     if concurrency is not None:

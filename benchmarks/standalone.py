@@ -152,8 +152,8 @@ _CHECKS = (
 def admit(path: str, runs: int) -> tuple[float, str]:
     """Admit ``runs`` no-op Runs into a new database at ``path``; the seconds it took and the
     store's durability."""
-    from application.admission import AdmissionRequest
-    from bootstrap.standalone import build
+    from ql3.application.admission import AdmissionRequest
+    from ql3.bootstrap.standalone import build
 
     container = build(database_path=path)
     try:

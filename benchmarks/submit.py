@@ -58,7 +58,7 @@ def _ql3() -> list[str]:
     script = Path(sys.executable).with_name("ql3")
     if script.is_file() and os.access(script, os.X_OK):
         return [str(script)]
-    return [sys.executable, "-m", "adapters.cli.main"]
+    return [sys.executable, "-m", "ql3.adapters.cli.main"]
 
 
 def _environment(extra: dict[str, str] | None = None) -> dict[str, str]:

@@ -21,7 +21,7 @@ import os
 import time
 from typing import Any
 
-from adapters.execution import TaskContext
+from ql3.adapters.execution import TaskContext
 
 NOOP = "bench.noop"
 SLEEP = "bench.sleep"

@@ -165,7 +165,7 @@ def verify(conn: psycopg.Connection[Any], expected: int) -> None:
 
 def admit(admission: Any, runs: int, batch: int) -> float:
     """Admit ``runs`` no-op Runs in batches; returns the seconds it took."""
-    from application.admission import AdmissionRequest
+    from ql3.application.admission import AdmissionRequest
 
     requests = [AdmissionRequest(task=NOOP, input={"n": n}) for n in range(runs)]
     batches = [requests[start : start + batch] for start in range(0, runs, batch)]
@@ -333,7 +333,7 @@ def _shown_argv(argv: list[str]) -> str:
 
 
 def main(args: argparse.Namespace, admin: str) -> int:
-    from bootstrap.cluster import build
+    from ql3.bootstrap.cluster import build
 
     pgqueuer_version = require_pgqueuer()
     total = Stopwatch()

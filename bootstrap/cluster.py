@@ -10,13 +10,13 @@ from typing import Any
 
 from dependency_injector import containers, providers
 
-from application.lost_retry import LostRetry
-from application.ports import NO_METRICS, Metrics, SchedulerStore
-from application.recovery import RuntimeRecovery
-from application.scheduler import ClusterSchedulerCoordinator, ClusterSchedulerLifecycle
-from application.startup import StartupRecovery
-from bootstrap.core import DEFAULTS, RuntimeCoreContainer
-from bootstrap.producer import open_postgres_store
+from ql3.application.lost_retry import LostRetry
+from ql3.application.ports import NO_METRICS, Metrics, SchedulerStore
+from ql3.application.recovery import RuntimeRecovery
+from ql3.application.scheduler import ClusterSchedulerCoordinator, ClusterSchedulerLifecycle
+from ql3.application.startup import StartupRecovery
+from ql3.bootstrap.core import DEFAULTS, RuntimeCoreContainer
+from ql3.bootstrap.producer import open_postgres_store
 
 CLUSTER_DEFAULTS: dict[str, object] = {
     **DEFAULTS,

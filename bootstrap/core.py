@@ -7,15 +7,15 @@ from __future__ import annotations
 
 from dependency_injector import containers, providers
 
-from adapters.cron import CroniterCalendar
-from application.admission import Admission
-from application.dispatch import DispatchGateStep
-from application.identities import RandomIdentities
-from application.ports import SchedulerStore
-from application.scheduler import SchedulerCoordinator
-from application.triggers import Triggers, TriggerSchedule
-from application.worker_commands import WorkerCommands
-from application.workflows import WorkflowFrontier, Workflows
+from ql3.adapters.cron import CroniterCalendar
+from ql3.application.admission import Admission
+from ql3.application.dispatch import DispatchGateStep
+from ql3.application.identities import RandomIdentities
+from ql3.application.ports import SchedulerStore
+from ql3.application.scheduler import SchedulerCoordinator
+from ql3.application.triggers import Triggers, TriggerSchedule
+from ql3.application.worker_commands import WorkerCommands
+from ql3.application.workflows import WorkflowFrontier, Workflows
 
 DEFAULTS: dict[str, object] = {
     "lease_ttl_s": 30.0,

@@ -13,8 +13,8 @@ from typing import Any
 
 from dependency_injector import providers
 
-from application.ports import RuntimeStore
-from bootstrap.standalone import STANDALONE_DEFAULTS, StandaloneContainer
+from ql3.application.ports import RuntimeStore
+from ql3.bootstrap.standalone import STANDALONE_DEFAULTS, StandaloneContainer
 
 EDGE_DEFAULTS: dict[str, object] = {
     **STANDALONE_DEFAULTS,

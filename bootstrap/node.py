@@ -10,9 +10,9 @@ The ingress reaches the store only through its own :class:`WorkerCommands`, buil
 store (``ingress_store``): the least-privilege ingress store on ``ingress_database_url`` when
 given, else a second small pool on the node's database.
 
-Parked claims (ADR 0007) wait on the node's :class:`~adapters.http.wake.ClaimSignal`. On
+Parked claims (ADR 0007) wait on the node's :class:`~ql3.adapters.http.wake.ClaimSignal`. On
 PostgreSQL the node keeps one LISTEN connection on the runtime database
-(:class:`~adapters.postgres.listen.DispatchListener`) that wakes them on every ``NOTIFY
+(:class:`~ql3.adapters.postgres.listen.DispatchListener`) that wakes them on every ``NOTIFY
 ql3_dispatch``; while that connection is down, and always on a store without one (the memory
 store of the tests), the end of every scheduler cycle wakes them instead."""
 
@@ -34,29 +34,29 @@ import uvicorn
 from dependency_injector import containers, providers
 from fastapi import FastAPI
 
-from adapters.http import (
+from ql3.adapters.http import (
     DEFAULT_MAX_BODY_BYTES,
     ClaimSignal,
     create_app,
     default_heartbeat_interval_ms,
 )
-from adapters.http.auth import RegistrationAuth
-from adapters.http.metrics import metrics_routes
-from adapters.prometheus import node_registry
-from application.credentials import CredentialCommands
-from application.identities import RandomIdentities
-from application.scheduler import (
+from ql3.adapters.http.auth import RegistrationAuth
+from ql3.adapters.http.metrics import metrics_routes
+from ql3.adapters.prometheus import node_registry
+from ql3.application.credentials import CredentialCommands
+from ql3.application.identities import RandomIdentities
+from ql3.application.scheduler import (
     ClusterSchedulerLifecycle,
     CycleListener,
     CycleSummary,
     NodeHeartbeat,
 )
-from application.worker_commands import WorkerCommands
-from bootstrap.cluster import CLUSTER_DEFAULTS, ClusterContainer, open_postgres_store
-from bootstrap.core import seconds_to_ms
+from ql3.application.worker_commands import WorkerCommands
+from ql3.bootstrap.cluster import CLUSTER_DEFAULTS, ClusterContainer, open_postgres_store
+from ql3.bootstrap.core import seconds_to_ms
 
 if TYPE_CHECKING:
-    from adapters.postgres.listen import DispatchListener
+    from ql3.adapters.postgres.listen import DispatchListener
 
 log = logging.getLogger("ql3.node")
 
@@ -93,10 +93,10 @@ def open_ingress_store(
     least-privilege ingress role, see ``ql3 db grant-ingress``) when given, else a second pool
     on the node's own database URL. Each new connection reads the URL and password of the
     sources given (secrets in files, read again when they change)."""
-    from adapters.postgres.engine import refresh_on_connect
+    from ql3.adapters.postgres.engine import refresh_on_connect
 
     if ingress_database_url:
-        from adapters.postgres.ingress import PostgresIngressStore
+        from ql3.adapters.postgres.ingress import PostgresIngressStore
 
         store: Any = PostgresIngressStore.from_url(ingress_database_url, pool_size=pool_size)
     else:
@@ -109,7 +109,7 @@ def open_node_store(
     database_url: str, pool_size: int, url_source: Callable[[], str] | None = None
 ) -> Any:
     """The node's runtime store; each new connection reads ``url_source`` when given."""
-    from adapters.postgres.engine import refresh_on_connect
+    from ql3.adapters.postgres.engine import refresh_on_connect
 
     store: Any = open_postgres_store(database_url, pool_size)
     refresh_on_connect(store.engine, url_source=url_source)
@@ -128,7 +128,7 @@ def open_dispatch_listener(
     a PostgreSQL database URL (a node built on a given store)."""
     if not database_url or not database_url.startswith("postgresql"):
         return None
-    from adapters.postgres.listen import DispatchListener
+    from ql3.adapters.postgres.listen import DispatchListener
 
     return DispatchListener(database_url, claims.wake)
 

@@ -7,7 +7,7 @@ submit``).
 It is built without a dependency-injector container, so that importing it loads neither that
 library nor, through it, a web framework; the submit-only stores load no SQLAlchemy either: a
 submit from the command line stays quick (ADR 0009). The profile's container
-(:mod:`bootstrap.cluster`, :mod:`bootstrap.standalone`) is built on the same store only when
+(:mod:`ql3.bootstrap.cluster`, :mod:`ql3.bootstrap.standalone`) is built on the same store only when
 the application starts the runtime."""
 
 from __future__ import annotations
@@ -17,20 +17,20 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, Protocol
 
-from application.admission import Admission, AdmissionRequest, Admitted, admit_requests
-from application.identities import RandomIdentities
+from ql3.application.admission import Admission, AdmissionRequest, Admitted, admit_requests
+from ql3.application.identities import RandomIdentities
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from application.ports import AdmissionUnitOfWork, SchedulerStore
-    from application.queries import RunQueries
+    from ql3.application.ports import AdmissionUnitOfWork, SchedulerStore
+    from ql3.application.queries import RunQueries
 
 SQLITE_BUSY_TIMEOUT_S = 30.0
 
 
 def open_postgres_store(database_url: str, pool_size: int) -> SchedulerStore:
-    from adapters.postgres.store import PostgresStore
+    from ql3.adapters.postgres.store import PostgresStore
 
     return PostgresStore.from_url(database_url, pool_size=pool_size)
 
@@ -41,7 +41,7 @@ def open_sqlite_store(
     busy_timeout_s: float = SQLITE_BUSY_TIMEOUT_S,
     synchronous: str = "FULL",
 ) -> SchedulerStore:
-    from adapters.sql.sqlite import SqliteStore
+    from ql3.adapters.sql.sqlite import SqliteStore
 
     return SqliteStore(database_path, busy_timeout_s=busy_timeout_s, synchronous=synchronous)
 
@@ -56,7 +56,7 @@ class SubmitStore(Protocol):
 
 def open_postgres_submit_store(database_url: str) -> SubmitStore:
     """Admission alone, on the psycopg driver alone (quick to import: no SQLAlchemy)."""
-    from adapters.postgres.submit import PostgresSubmitStore
+    from ql3.adapters.postgres.submit import PostgresSubmitStore
 
     return PostgresSubmitStore(database_url)
 
@@ -65,7 +65,7 @@ def open_sqlite_submit_store(database_path: str) -> SubmitStore:
     """Admission alone on the ``sqlite3`` driver, into an existing database of the store's
     schema version; any other file (missing, older, not the runtime's) is opened by the store,
     which creates, upgrades or refuses it."""
-    from adapters.sql.sqlite.submit import SqliteSubmitStore
+    from ql3.adapters.sql.sqlite.submit import SqliteSubmitStore
 
     store = SqliteSubmitStore.open(database_path, busy_timeout_s=SQLITE_BUSY_TIMEOUT_S)
     if store is not None:
@@ -75,7 +75,7 @@ def open_sqlite_submit_store(database_path: str) -> SubmitStore:
 
 def submit(store: SubmitStore, requests: Sequence[AdmissionRequest]) -> list[Admitted]:
     """Admit ``requests`` on ``store``, as every admission does
-    (:func:`application.admission.admit_requests`)."""
+    (:func:`ql3.application.admission.admit_requests`)."""
     return admit_requests(store.unit_of_work, RandomIdentities(), requests)
 
 
@@ -93,7 +93,7 @@ class Producer:
     @cached_property
     def queries(self) -> RunQueries:
         """The run queries (loaded when first asked for: a submit does not need them)."""
-        from application.queries import RunQueries
+        from ql3.application.queries import RunQueries
 
         return RunQueries(self.store.unit_of_work)
 

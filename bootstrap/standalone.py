@@ -1,6 +1,6 @@
 """The Standalone profile: one process, an embedded SQLite store, in-process execution.
 
-The process (:class:`adapters.standalone.StandaloneRunner`) takes the database's exclusive lock,
+The process (:class:`ql3.adapters.standalone.StandaloneRunner`) takes the database's exclusive lock,
 runs startup recovery at boot with its own page budget and then one loop: the in-process pool
 claims its work through the worker protocol (ADR 0007), and the cadence runs due retries and the
 inner scheduler. It never builds the Cluster's runtime recovery or lost retry steps, nor loads
@@ -15,18 +15,18 @@ from typing import Any
 
 from dependency_injector import containers, providers
 
-from adapters.sql.sqlite import SqliteStore
-from adapters.sql.sqlite.wake import WakeListener
-from adapters.standalone import (
+from ql3.adapters.sql.sqlite import SqliteStore
+from ql3.adapters.sql.sqlite.wake import WakeListener
+from ql3.adapters.standalone import (
     DatabaseLock,
     DueRetryStart,
     RunnerSettings,
     StandaloneCoordinator,
     StandaloneRunner,
 )
-from application.ports import RuntimeStore
-from application.startup import StartupRecovery
-from bootstrap.core import DEFAULTS, RuntimeCoreContainer
+from ql3.application.ports import RuntimeStore
+from ql3.application.startup import StartupRecovery
+from ql3.bootstrap.core import DEFAULTS, RuntimeCoreContainer
 
 STANDALONE_DEFAULTS: dict[str, object] = {
     **DEFAULTS,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from attrs import frozen
 
-from domain.events import RunEvent
-from domain.model import Attempt, DispatchLease, Run
+from ql3.domain.events import RunEvent
+from ql3.domain.model import Attempt, DispatchLease, Run
 
 
 @frozen(kw_only=True)

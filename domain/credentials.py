@@ -16,10 +16,10 @@ from fnmatch import fnmatchcase
 
 from attrs import evolve, field, frozen
 
-from domain.errors import DomainError, InvalidAdmission, InvalidTransition
-from domain.model import CredentialStatus, WorkerSession
-from domain.sessions import revoke_session
-from domain.states import CREDENTIAL_EDGES
+from ql3.domain.errors import DomainError, InvalidAdmission, InvalidTransition
+from ql3.domain.model import CredentialStatus, WorkerSession
+from ql3.domain.sessions import revoke_session
+from ql3.domain.states import CREDENTIAL_EDGES
 
 MAX_PATTERN_LENGTH = 200
 MAX_TASKS = 256

@@ -9,7 +9,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-from domain.errors import DomainError
+from ql3.domain.errors import DomainError
 
 T = TypeVar("T")
 

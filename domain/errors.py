@@ -5,7 +5,13 @@ from __future__ import annotations
 import enum
 
 
-class DomainError(Exception):
+class Error(Exception):
+    """Base class of every error QL3 raises on purpose (``ql3.Error``): a refused input, an
+    unknown id, a transition the state does not allow, a wait that timed out. Each subclass
+    that stands for a builtin kind keeps that base too (``UnknownRun`` is a ``LookupError``)."""
+
+
+class DomainError(Error):
     """Base class of every error the domain raises."""
 
 

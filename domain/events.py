@@ -7,7 +7,7 @@ from collections.abc import Mapping
 
 from attrs import field, frozen
 
-from domain.model import JsonValue
+from ql3.domain.model import JsonValue
 
 
 class EventType(enum.Enum):

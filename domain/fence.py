@@ -7,8 +7,8 @@ import hmac
 
 from attrs import frozen
 
-from domain.errors import FenceReason, FenceRejected
-from domain.model import DispatchLease, LeaseStatus, ReleaseReason
+from ql3.domain.errors import FenceReason, FenceRejected
+from ql3.domain.model import DispatchLease, LeaseStatus, ReleaseReason
 
 
 def hash_token(token: str) -> str:

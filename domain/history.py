@@ -1,9 +1,9 @@
 """Finished history: which Runs a prune deletes, and how many of them one batch takes.
 
-A finished Run never changes again (its status has no edge out, :data:`domain.states.RUN_EDGES`).
-Pruning deletes such Runs with every row that records them (Attempts, leases, events, stop
-reports, the trigger firing that admitted them, a workflow's steps); it changes no state, so it is
-no transition and writes no event (ADR 0016).
+A finished Run never changes again (its status has no edge out,
+:data:`ql3.domain.states.RUN_EDGES`). Pruning deletes such Runs with every row that records them
+(Attempts, leases, events, stop reports, the trigger firing that admitted them, a workflow's
+steps); it changes no state, so it is no transition and writes no event (ADR 0016).
 
 The unit of pruning is a top-level Run: a Run that is no workflow step's. A workflow aggregate is
 pruned together with its step Runs, and only once the whole workflow is history: the aggregate
@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 
-from domain.model import TERMINAL_RUN_STATUSES, Run
-from domain.workflows import StepStatus, WorkflowStep
+from ql3.domain.model import TERMINAL_RUN_STATUSES, Run
+from ql3.domain.workflows import StepStatus, WorkflowStep
 
 PRUNABLE_RUN_STATUSES = TERMINAL_RUN_STATUSES
 """A Run is history once it finished: succeeded, failed or cancelled."""

@@ -8,7 +8,7 @@ from typing import TypeAlias
 
 from attrs import field, frozen, validators
 
-from domain.policy import RetryPolicy
+from ql3.domain.policy import RetryPolicy
 
 JsonValue: TypeAlias = (
     bool | int | float | str | list["JsonValue"] | dict[str, "JsonValue"] | None

@@ -7,7 +7,7 @@ import hashlib
 
 from attrs import field, frozen
 
-from domain.errors import InvalidRetryPolicy
+from ql3.domain.errors import InvalidRetryPolicy
 
 MAX_ATTEMPTS_LIMIT = 1000
 

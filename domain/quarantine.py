@@ -3,19 +3,19 @@
 Both steps fail closed on a candidate they cannot settle (ADR 0002): a Run whose resolution
 keeps raising stops its step, and with it the rest of every cycle. Quarantine is how a person
 lets the step proceed: a flag on the Run, never a status, that the candidate predicates of
-:mod:`domain.recovery` and :mod:`domain.retry` read. It is never set by the runtime itself and
-is lifted the same way, each change audited by one event (ADR 0010). Neither touches the Run's
+:mod:`ql3.domain.recovery` and :mod:`ql3.domain.retry` read. It is never set by the runtime itself
+and is lifted the same way, each change audited by one event (ADR 0010). Neither touches the Run's
 ``updated_at``: the Run keeps its place in the lost-retry and retry order."""
 
 from __future__ import annotations
 
 from attrs import evolve
 
-from domain.errors import InvalidAdmission, InvalidTransition
-from domain.events import EventType, RunEvent
-from domain.model import JsonValue, Quarantine, Run, RunOwner
-from domain.states import QUARANTINABLE_RUN_STATUSES
-from domain.transitions import Change, storable_text
+from ql3.domain.errors import InvalidAdmission, InvalidTransition
+from ql3.domain.events import EventType, RunEvent
+from ql3.domain.model import JsonValue, Quarantine, Run, RunOwner
+from ql3.domain.states import QUARANTINABLE_RUN_STATUSES
+from ql3.domain.transitions import Change, storable_text
 
 MAX_REASON_LENGTH = 500
 

@@ -8,9 +8,9 @@ from collections.abc import Iterable
 
 from attrs import frozen
 
-from domain.errors import InvalidTransition
-from domain.events import EventType, RunEvent
-from domain.model import (
+from ql3.domain.errors import InvalidTransition
+from ql3.domain.events import EventType, RunEvent
+from ql3.domain.model import (
     Attempt,
     DispatchLease,
     EvidenceKind,
@@ -23,8 +23,8 @@ from domain.model import (
     StopReport,
     WorkerSession,
 )
-from domain.states import NON_TERMINAL_ATTEMPT_STATUSES, RECOVERABLE_RUN_STATUSES
-from domain.transitions import Change, mark_lost
+from ql3.domain.states import NON_TERMINAL_ATTEMPT_STATUSES, RECOVERABLE_RUN_STATUSES
+from ql3.domain.transitions import Change, mark_lost
 
 RECOVERABLE_ATTEMPT_STATUSES = NON_TERMINAL_ATTEMPT_STATUSES
 

@@ -8,12 +8,12 @@ import enum
 
 from attrs import evolve, frozen
 
-from domain.change import Change
-from domain.errors import InvalidTransition, NotDue
-from domain.events import EventType, RunEvent
-from domain.model import Attempt, AttemptStatus, Run, RunOwner, RunStatus
-from domain.policy import RETRYABLE_SAFETY, RetryPolicy, Safety
-from domain.states import require_run_edge
+from ql3.domain.change import Change
+from ql3.domain.errors import InvalidTransition, NotDue
+from ql3.domain.events import EventType, RunEvent
+from ql3.domain.model import Attempt, AttemptStatus, Run, RunOwner, RunStatus
+from ql3.domain.policy import RETRYABLE_SAFETY, RetryPolicy, Safety
+from ql3.domain.states import require_run_edge
 
 
 class RetryCause(enum.Enum):

@@ -7,9 +7,9 @@ from collections.abc import Iterable
 
 from attrs import evolve
 
-from domain.errors import InvalidAdmission, InvalidTransition
-from domain.model import SessionStatus, WorkerSession
-from domain.states import SESSION_EDGES
+from ql3.domain.errors import InvalidAdmission, InvalidTransition
+from ql3.domain.model import SessionStatus, WorkerSession
+from ql3.domain.states import SESSION_EDGES
 
 MAX_CAPACITY = 1024
 

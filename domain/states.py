@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from domain.errors import InvalidTransition
-from domain.model import (
+from ql3.domain.errors import InvalidTransition
+from ql3.domain.model import (
     TERMINAL_ATTEMPT_STATUSES,
     TERMINAL_RUN_STATUSES,
     AttemptStatus,

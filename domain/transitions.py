@@ -2,7 +2,8 @@
 
 Every transition takes the current values and ``now_ms`` (observed by the store) and returns a
 :class:`Change` holding the new values and the one event it implies, or raises one specific
-:class:`~domain.errors.DomainError`. Recovery, lost retry and the worker commands all call these.
+:class:`~ql3.domain.errors.DomainError`. Recovery, lost retry and the worker commands all call
+these.
 """
 
 from __future__ import annotations
@@ -11,17 +12,17 @@ from collections.abc import Mapping
 
 from attrs import evolve
 
-from domain.change import Change as Change  # every transition returns one: imported from here
-from domain.errors import (
+from ql3.domain.change import Change as Change  # every transition returns one: imported from here
+from ql3.domain.errors import (
     FenceReason,
     FenceRejected,
     InvalidAdmission,
     InvalidTransition,
     SessionRejected,
 )
-from domain.events import EventType, RunEvent
-from domain.fence import LeaseFence, check_fence, check_not_cancelled
-from domain.model import (
+from ql3.domain.events import EventType, RunEvent
+from ql3.domain.fence import LeaseFence, check_fence, check_not_cancelled
+from ql3.domain.model import (
     MAX_PRIORITY,
     MAX_TIMEOUT_MS,
     MAX_UNIQUE_KEY_LENGTH,
@@ -39,9 +40,9 @@ from domain.model import (
     RunStatus,
     WorkerSession,
 )
-from domain.policy import RetryPolicy
-from domain.retry import RetryCause, decide_retry, timed_out_error
-from domain.states import (
+from ql3.domain.policy import RetryPolicy
+from ql3.domain.retry import RetryCause, decide_retry, timed_out_error
+from ql3.domain.states import (
     CLAIMABLE_RUN_STATUSES,
     require_admitted,
     require_attempt_edge,
@@ -420,7 +421,7 @@ def complete(
     """The worker reports the outcome; the lease is released with reason ``completed``.
 
     A failure (``timed_out``: the worker stopped the task at the Run's timeout) goes through
-    the retry decision of :func:`domain.retry.decide_retry` (cause ``error`` or ``timeout``):
+    the retry decision of :func:`ql3.domain.retry.decide_retry` (cause ``error`` or ``timeout``):
     the Attempt is ``failed`` either way, and the Run ``retry_wait`` until its next Attempt is
     due, or ``failed`` (ADR 0013). One event, ``attempt_failed``, says which. The error of a
     timed-out Attempt names the Run's timeout ("timed out after 2.0 s")."""

@@ -26,10 +26,10 @@ from typing import Protocol
 
 from attrs import evolve, field, frozen, validators
 
-from domain.errors import InvalidTransition, InvalidTrigger, NotDue
-from domain.model import JsonValue, RunOwner
-from domain.policy import RetryPolicy
-from domain.transitions import MAX_TASK_NAME_LENGTH, Change, admit
+from ql3.domain.errors import InvalidTransition, InvalidTrigger, NotDue
+from ql3.domain.model import JsonValue, RunOwner
+from ql3.domain.policy import RetryPolicy
+from ql3.domain.transitions import MAX_TASK_NAME_LENGTH, Change, admit
 
 MAX_TRIGGER_NAME_LENGTH = 200
 MIN_INTERVAL_MS = 1_000

@@ -18,12 +18,12 @@ from collections.abc import Mapping, Sequence
 
 from attrs import evolve, frozen
 
-from domain.errors import InvalidRetryPolicy, InvalidTransition, InvalidWorkflow
-from domain.events import EventType, RunEvent
-from domain.model import JsonValue, Run, RunOwner, RunStatus
-from domain.policy import RetryPolicy, policy_from_document
-from domain.states import require_run_edge
-from domain.transitions import MAX_TASK_NAME_LENGTH, Change, admit
+from ql3.domain.errors import InvalidRetryPolicy, InvalidTransition, InvalidWorkflow
+from ql3.domain.events import EventType, RunEvent
+from ql3.domain.model import JsonValue, Run, RunOwner, RunStatus
+from ql3.domain.policy import RetryPolicy, policy_from_document
+from ql3.domain.states import require_run_edge
+from ql3.domain.transitions import MAX_TASK_NAME_LENGTH, Change, admit
 
 MAX_WORKFLOW_STEPS = 256
 MAX_STEP_ID_LENGTH = 100

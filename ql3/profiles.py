@@ -1,6 +1,6 @@
 """The runtimes of the Cluster and Standalone/Edge profiles, built from settings.
 
-Each opens its store when built (through :mod:`bootstrap.producer`, which loads no
+Each opens its store when built (through :mod:`ql3.bootstrap.producer`, which loads no
 dependency-injector and no web framework) and builds the profile's composition root on that same
 store only when started."""
 
@@ -10,9 +10,9 @@ import logging
 import threading
 from typing import Any
 
-from application.admission import Admission
-from application.tasks import TaskRegistry
-from bootstrap.producer import Producer, open_postgres_store, open_sqlite_store
+from ql3.application.admission import Admission
+from ql3.application.tasks import TaskRegistry
+from ql3.bootstrap.producer import Producer, open_postgres_store, open_sqlite_store
 from ql3.runtime import FinishSignal, Notified, Runtime, UnsupportedTransaction
 
 log = logging.getLogger("ql3")
@@ -42,7 +42,7 @@ class ClusterRuntime(Runtime):
         self._finished_listener: Any = None
 
     def _admission_in(self, transaction: object) -> Admission:
-        from adapters.postgres import borrowed
+        from ql3.adapters.postgres import borrowed
 
         try:
             unit_of_work = borrowed.caller_unit_of_work(self.store, transaction)
@@ -55,8 +55,8 @@ class ClusterRuntime(Runtime):
         opened by the first wait and closed with the runtime."""
         with self._node_lock:
             if self._finished is None:
-                from adapters.postgres.listen import DispatchListener
-                from adapters.postgres.queries import FINISHED_CHANNEL
+                from ql3.adapters.postgres.listen import DispatchListener
+                from ql3.adapters.postgres.queries import FINISHED_CHANNEL
 
                 listener: Any = None
                 signal = Notified(lambda: listener is not None and listener.connected)
@@ -66,10 +66,10 @@ class ClusterRuntime(Runtime):
             return self._finished
 
     def node(self) -> Any:
-        """The node's container (``bootstrap.node``) on this runtime's store, built once."""
+        """The node's container (``ql3.bootstrap.node``) on this runtime's store, built once."""
         with self._node_lock:
             if self._node is None:
-                from bootstrap import node
+                from ql3.bootstrap import node
 
                 container = node.build(store=self.store, database_url=self._url, **self._settings)
                 if self._settings.get("ingress_database_url"):
@@ -80,7 +80,7 @@ class ClusterRuntime(Runtime):
     def ingress_app(self) -> Any:
         """The worker ingress as an ASGI app, to mount in the application's own server (or to
         serve). It starts nothing itself: :meth:`start` and :meth:`stop` do."""
-        from bootstrap import node
+        from ql3.bootstrap import node
 
         return node.ingress_app(self.node())
 
@@ -140,9 +140,9 @@ class StandaloneRuntime(Runtime):
         if not self._tasks:
             raise RuntimeError("starting the runtime needs its task registry (tasks=...)")
         if self.profile == "edge":
-            from bootstrap import edge as root
+            from ql3.bootstrap import edge as root
         else:
-            from bootstrap import standalone as root  # type: ignore[no-redef]
+            from ql3.bootstrap import standalone as root  # type: ignore[no-redef]
         container = root.build(store=self.store, database_path=self._path, **self._settings)
         runner = container.runner(tasks=self._tasks, emit=log.info)
         runner.boot()

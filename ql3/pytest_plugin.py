@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from application.tasks import TaskRegistry
+from ql3.application.tasks import TaskRegistry
 from ql3.testing import InMemoryRuntime, in_memory
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from types import TracebackType
 from typing import Any
 
-from application.admission import (
+from ql3.application.admission import (
     Admission,
     AdmissionRequest,
     Admitted,
@@ -24,20 +24,20 @@ from application.admission import (
     delay_ms,
     epoch_ms,
 )
-from application.budgets import DEFAULT_BATCH_SIZE
-from application.history import (
+from ql3.application.budgets import DEFAULT_BATCH_SIZE
+from ql3.application.history import (
     HistoryPruning,
     InvalidDuration,
     PruneReport,
     parse_duration,
 )
-from application.task_limits import TaskLimits
-from application.tasks import TaskRegistry, json_input, timeout_millis
-from bootstrap.producer import Producer
-from domain.dispatch import TaskLimit
-from domain.errors import InvalidAdmission
-from domain.model import JsonValue, Run, RunStatus
-from domain.policy import RetryPolicy
+from ql3.application.task_limits import TaskLimits
+from ql3.application.tasks import TaskRegistry, json_input, timeout_millis
+from ql3.bootstrap.producer import Producer
+from ql3.domain.dispatch import TaskLimit
+from ql3.domain.errors import Error, InvalidAdmission
+from ql3.domain.model import JsonValue, Run, RunStatus
+from ql3.domain.policy import RetryPolicy
 
 Task = str | Callable[..., Any]
 
@@ -48,11 +48,11 @@ POLL_LAST_S = 0.25
 NOTIFIED_PAUSE_S = 5.0
 
 
-class WaitTimeout(TimeoutError):
+class WaitTimeout(Error, TimeoutError):
     """The run did not finish within the wait's timeout."""
 
 
-class UnsupportedTransaction(TypeError):
+class UnsupportedTransaction(Error, TypeError):
     """This runtime cannot write in the transaction given (its profile or its type)."""
 
 
@@ -188,7 +188,7 @@ class Runtime:
         ``Connection`` or ``Session``, or a psycopg connection) it is written in that
         transaction and commits or rolls back with it; workers are woken only when it commits.
         A run of higher ``priority`` is claimed before the other queued runs of its task (within
-        :data:`domain.model.MIN_PRIORITY` .. :data:`domain.model.MAX_PRIORITY`). ``delay``,
+        :data:`ql3.domain.model.MIN_PRIORITY` .. :data:`ql3.domain.model.MAX_PRIORITY`). ``delay``,
         ``run_after`` and ``unique_key`` as for :class:`Submission`: with a key an unfinished
         run holds, that run's id is returned (:meth:`submit_unique` also says so)."""
         one = Submission(task, input, policy, timeout, priority, delay, run_after, unique_key)

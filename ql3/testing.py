@@ -32,17 +32,17 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, cast
 
-from adapters.execution.app import run_awaitable
-from adapters.memory import FakeClock, MemoryStore
-from adapters.memory.clock import DEFAULT_START_MS
-from adapters.standalone.pool import execute_grant
-from application.admission import Admission
-from application.ports import UnitOfWork
-from application.tasks import TaskRegistry
-from application.worker_commands import Completion, Grant, SessionGrant, WorkerCommands
-from bootstrap.producer import Producer
-from domain.model import JsonValue, RunStatus
-from domain.transitions import Change
+from ql3.adapters.execution.app import run_awaitable
+from ql3.adapters.memory import FakeClock, MemoryStore
+from ql3.adapters.memory.clock import DEFAULT_START_MS
+from ql3.adapters.standalone.pool import execute_grant
+from ql3.application.admission import Admission
+from ql3.application.ports import UnitOfWork
+from ql3.application.tasks import TaskRegistry
+from ql3.application.worker_commands import Completion, Grant, SessionGrant, WorkerCommands
+from ql3.bootstrap.producer import Producer
+from ql3.domain.model import JsonValue, RunStatus
+from ql3.domain.transitions import Change
 from ql3.runtime import RunInfo, Runtime, UnsupportedTransaction, WaitTimeout
 
 INLINE_WORKER_ID = "inline"
@@ -165,7 +165,7 @@ class InMemoryRuntime(Runtime):
     def __init__(
         self, tasks: TaskRegistry, *, lease_ttl_s: float = 30.0, start_ms: int = DEFAULT_START_MS
     ) -> None:
-        from bootstrap import cluster
+        from ql3.bootstrap import cluster
 
         self.clock = FakeClock(start_ms)
         store = MemoryStore(self.clock)

@@ -6,7 +6,7 @@ database is cloned from that template, so the schema (and the Alembic version) i
 
 from __future__ import annotations
 
-from adapters.postgres.migrate import upgrade
+from ql3.adapters.postgres.migrate import upgrade
 
 
 def prepare_template(url: str) -> None:

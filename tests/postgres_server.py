@@ -25,7 +25,6 @@ import pytest
 from psycopg import sql
 from sqlalchemy.engine import URL, make_url
 
-from adapters.postgres.migrate import upgrade
 from benchmarks.private_server import (
     DRIVER,
     LOCAL_HOST,
@@ -34,6 +33,7 @@ from benchmarks.private_server import (
     ServerUnavailable,
     start_private_server,
 )
+from ql3.adapters.postgres.migrate import upgrade
 
 DATABASE_URL_ENV = "QL3_TEST_DATABASE_URL"
 LOCAL_PORT = 5432

@@ -7,17 +7,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from application.scheduler import CycleSummary
-from application.worker_commands import (
+from ql3.application.scheduler import CycleSummary
+from ql3.application.worker_commands import (
     BatchOutcome,
     ClaimAnswer,
     Completion,
     Grant,
     WorkerCommands,
 )
-from bootstrap import cluster
-from domain.fence import LeaseFence
-from domain.model import Run
+from ql3.bootstrap import cluster
+from ql3.domain.fence import LeaseFence
+from ql3.domain.model import Run
 
 
 @dataclass

@@ -17,24 +17,24 @@ from typing import Any
 
 import pytest
 
-import adapters.memory.store as memory_store
-from adapters.memory import FakeClock, MemoryStore
-from application.budgets import InvalidPageSize
-from application.diagnosis import CandidateFailed
-from application.lost_retry import LostRetry
-from application.ports import NO_METRICS
-from application.recovery import RuntimeRecovery
-from application.scheduler import (
+import ql3.adapters.memory.store as memory_store
+from ql3.adapters.memory import FakeClock, MemoryStore
+from ql3.application.budgets import InvalidPageSize
+from ql3.application.diagnosis import CandidateFailed
+from ql3.application.lost_retry import LostRetry
+from ql3.application.ports import NO_METRICS
+from ql3.application.recovery import RuntimeRecovery
+from ql3.application.scheduler import (
     ClusterSchedulerCoordinator,
     ClusterSchedulerLifecycle,
     CycleSummary,
     SchedulerCoordinator,
 )
-from application.worker_commands import BatchOutcome, NoGrant, Rejection
-from bootstrap import cluster
-from domain.fence import LeaseFence
-from domain.model import AttemptStatus, EvidenceKind, LeaseStatus, ReleaseReason, RunStatus
-from domain.policy import Backoff, RetryPolicy, Safety
+from ql3.application.worker_commands import BatchOutcome, NoGrant, Rejection
+from ql3.bootstrap import cluster
+from ql3.domain.fence import LeaseFence
+from ql3.domain.model import AttemptStatus, EvidenceKind, LeaseStatus, ReleaseReason, RunStatus
+from ql3.domain.policy import Backoff, RetryPolicy, Safety
 from tests.application.support import (
     LEASE_TTL_MS,
     Services,
@@ -664,7 +664,7 @@ def _profile(name: str) -> Any:
 
 @pytest.mark.parametrize("name", LOCAL_PROFILES)
 def test_rule_5_no_wider_footprint_standalone_and_edge_declare_no_cluster_steps(name: str) -> None:
-    from adapters.sql.sqlite import SqliteStore
+    from ql3.adapters.sql.sqlite import SqliteStore
 
     profile = _profile(name)
     container = profile.build()
@@ -706,7 +706,7 @@ def test_rule_5_no_wider_footprint_standalone_and_edge_never_load_postgres() -> 
     script = textwrap.dedent(
         """
         import sys
-        from bootstrap import edge, standalone
+        from ql3.bootstrap import edge, standalone
         for profile in (standalone, edge):
             container = profile.build()
             container.startup_recovery().run()
@@ -715,7 +715,7 @@ def test_rule_5_no_wider_footprint_standalone_and_edge_never_load_postgres() -> 
             container.core.worker_commands()
         loaded = sorted(m for m in sys.modules
                         if m == "psycopg" or m.startswith(("psycopg.", "psycopg_",
-                                                           "adapters.postgres")))
+                                                           "ql3.adapters.postgres")))
         print("LOADED:" + ",".join(loaded))
         """
     )

@@ -14,8 +14,8 @@ from typing import Any
 
 import click
 
-from application.credentials import CredentialCommands, IssuedCredential
-from domain.credentials import CredentialEvent, UnknownCredential, WorkerCredential
+from ql3.application.credentials import CredentialCommands, IssuedCredential
+from ql3.domain.credentials import CredentialEvent, UnknownCredential, WorkerCredential
 
 UNITS_MS = {"s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}
 DURATION = re.compile(r"^\s*(\d+)\s*([smhd])\s*$")
@@ -67,8 +67,8 @@ def _event_document(event: CredentialEvent) -> dict[str, Any]:
 
 @contextmanager
 def _commands(database_url: str | None) -> Iterator[CredentialCommands]:
-    from adapters.cli.main import SQLITE_URL_PREFIX, Failure, _cluster, _database_url
-    from application.identities import RandomIdentities
+    from ql3.adapters.cli.main import SQLITE_URL_PREFIX, Failure, _cluster, _database_url
+    from ql3.application.identities import RandomIdentities
 
     if _database_url(database_url).startswith(SQLITE_URL_PREFIX):
         raise click.UsageError("worker credentials are for a Cluster (PostgreSQL) database")
@@ -80,7 +80,7 @@ def _commands(database_url: str | None) -> Iterator[CredentialCommands]:
 
 
 def _print_issued(issued: IssuedCredential, as_json: bool) -> None:
-    from adapters.cli.main import _emit
+    from ql3.adapters.cli.main import _emit
 
     document = {**credential_document(issued.credential), "secret": issued.secret}
 
@@ -148,7 +148,7 @@ def rotate(
 @json_option
 def list_(database_url: str | None, as_json: bool) -> None:
     """Every credential (never a secret)."""
-    from adapters.cli.main import _emit
+    from ql3.adapters.cli.main import _emit
 
     with _commands(database_url) as commands:
         found = commands.list_credentials()
@@ -173,7 +173,7 @@ def list_(database_url: str | None, as_json: bool) -> None:
 def revoke(credential_id: str, reason: str, database_url: str | None, as_json: bool) -> None:
     """Revoke a credential and its open sessions at once: they claim nothing more. Their
     running attempts are not declared stopped; recovery waits for evidence."""
-    from adapters.cli.main import _emit
+    from ql3.adapters.cli.main import _emit
 
     with _commands(database_url) as commands:
         revocation = commands.revoke(credential_id, reason)
@@ -195,7 +195,7 @@ def revoke(credential_id: str, reason: str, database_url: str | None, as_json: b
 @json_option
 def audit(credential_id: str, database_url: str | None, as_json: bool) -> None:
     """The credential's audit: its issue, every session registered with it, its revocation."""
-    from adapters.cli.main import _emit
+    from ql3.adapters.cli.main import _emit
 
     with _commands(database_url) as commands:
         events = commands.audit(credential_id)

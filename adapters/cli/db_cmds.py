@@ -26,8 +26,8 @@ def grant_ingress_command(role: str, password_env: str | None, database_url: str
     from sqlalchemy import create_engine
     from sqlalchemy.pool import NullPool
 
-    from adapters.cli.main import Failure, _database_url
-    from adapters.postgres.grants import IngressSchemaMissing, grant_ingress
+    from ql3.adapters.cli.main import Failure, _database_url
+    from ql3.adapters.postgres.grants import IngressSchemaMissing, grant_ingress
 
     password: str | None = None
     if password_env is not None:

@@ -5,7 +5,7 @@ process (``ql3 standalone``, a real child process) on a SQLite database in a tem
 
 1. Five runs are admitted with different retry policies.
 2. The child process executes them with its in-process pool (task code from
-   :mod:`adapters.cli.demo_tasks`).
+   :mod:`ql3.adapters.cli.demo_tasks`).
 3. While three of them are mid-task, the child is killed with SIGKILL.
 4. It is started again. Its new session replaces the dead one (evidence that nothing of the dead
    process still runs); once the dead process's leases expire, startup recovery marks the three
@@ -42,11 +42,11 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from application.queries import AttemptView, RunQueries, RunView
-from domain.model import AttemptStatus, JsonValue, RunStatus
-from domain.policy import Backoff, RetryPolicy, Safety
+from ql3.application.queries import AttemptView, RunQueries, RunView
+from ql3.domain.model import AttemptStatus, JsonValue, RunStatus
+from ql3.domain.policy import Backoff, RetryPolicy, Safety
 
-DEMO_APP = "adapters.cli.demo_tasks:TASKS"
+DEMO_APP = "ql3.adapters.cli.demo_tasks:TASKS"
 SHORT_ENV = "QL3_DEMO_SHORT"
 POLL_S = 0.1
 
@@ -185,7 +185,7 @@ class _Child:
         self.log_path = log
         self._log: IO[bytes] = log.open("ab")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "adapters.cli.main", *args],
+            [sys.executable, "-m", "ql3.adapters.cli.main", *args],
             stdout=self._log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -263,7 +263,7 @@ class _StandaloneProfile(_Profile):
         self.where = str(self.database)
 
     def container(self) -> Any:
-        from bootstrap import standalone
+        from ql3.bootstrap import standalone
 
         return standalone.build(database_path=str(self.database))
 
@@ -298,12 +298,12 @@ class _ClusterProfile(_Profile):
         self.node: _Child | None = None
 
     def container(self) -> Any:
-        from bootstrap import cluster
+        from ql3.bootstrap import cluster
 
         return cluster.build(database_url=self.database_url)
 
     def prepare(self) -> None:
-        from adapters.postgres.migrate import upgrade
+        from ql3.adapters.postgres.migrate import upgrade
 
         upgrade(self.database_url)
         ttl = str(self.timing.lease_ttl_s)

@@ -1,4 +1,4 @@
-"""The task code of ``ql3 demo`` (``--app adapters.cli.demo_tasks:TASKS``).
+"""The task code of ``ql3 demo`` (``--app ql3.adapters.cli.demo_tasks:TASKS``).
 
 Each task sleeps for the ``seconds`` its input names, standing for real work, and returns a
 small JSON result; ``parse-upload`` fails the way task code fails."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from adapters.execution import TaskContext
+from ql3.adapters.execution import TaskContext
 
 
 def _work(payload: dict[str, Any], context: TaskContext) -> dict[str, Any]:

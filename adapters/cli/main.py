@@ -14,13 +14,13 @@ from typing import Any, NoReturn
 
 import click
 
-from adapters.cli.lazy import LazyGroup
-from application.admission import AdmissionRequest, UnknownRun
-from application.budgets import DEFAULT_BATCH_SIZE, MAX_BATCH_SIZE, InvalidPageSize
-from application.lookups import UnknownAttempt
-from domain.errors import ConcurrencyConflict, DomainError
-from domain.model import MAX_PRIORITY, MAX_TIMEOUT_MS, MIN_PRIORITY, RunStatus
-from domain.policy import Backoff, RetryPolicy, Safety
+from ql3.adapters.cli.lazy import LazyGroup
+from ql3.application.admission import AdmissionRequest, UnknownRun
+from ql3.application.budgets import DEFAULT_BATCH_SIZE, MAX_BATCH_SIZE, InvalidPageSize
+from ql3.application.lookups import UnknownAttempt
+from ql3.domain.errors import ConcurrencyConflict, DomainError
+from ql3.domain.model import MAX_PRIORITY, MAX_TIMEOUT_MS, MIN_PRIORITY, RunStatus
+from ql3.domain.policy import Backoff, RetryPolicy, Safety
 
 
 class Failure(Exception):
@@ -76,11 +76,11 @@ def _cluster(database_url: str | None, **settings: Any) -> Iterator[Any]:
     ``sqlite:///`` URL (it never loads the PostgreSQL adapter)."""
     url = _database_url(database_url)
     if url.startswith(SQLITE_URL_PREFIX):
-        from bootstrap import standalone
+        from ql3.bootstrap import standalone
 
         container: Any = standalone.build(database_path=_sqlite_path(url), **settings)
     else:
-        from bootstrap import cluster
+        from ql3.bootstrap import cluster
 
         container = cluster.build(database_url=url, **settings)
     try:
@@ -93,7 +93,7 @@ def _cluster(database_url: str | None, **settings: Any) -> Iterator[Any]:
 def _producer(database_url: str | None) -> Iterator[Any]:
     """Admission and the run queries on the database's store, without a profile's container
     (quick to import: no dependency-injector, no web framework)."""
-    from bootstrap import producer
+    from ql3.bootstrap import producer
 
     url = _database_url(database_url)
     if url.startswith(SQLITE_URL_PREFIX):
@@ -112,7 +112,7 @@ def _submit_store(database_url: str | None) -> Iterator[Any]:
     """A store that admits Runs and nothing else, on its driver alone: a submit imports no
     SQLAlchemy (ADR 0009). A SQLite file that is missing or of another schema version is opened
     by the Standalone store, which creates, upgrades or refuses it."""
-    from bootstrap import producer
+    from ql3.bootstrap import producer
 
     url = _database_url(database_url)
     if url.startswith(SQLITE_URL_PREFIX):
@@ -137,16 +137,16 @@ def _emit(as_json: bool, document: object, text: Callable[[], None]) -> None:
 @click.group(
     cls=LazyGroup,
     lazy={
-        "serve": "adapters.cli.node_cmds:serve",
-        "worker": "adapters.cli.node_cmds:worker",
-        "standalone": "adapters.cli.standalone_cmds:standalone_command",
-        "triggers": "adapters.cli.trigger_cmds:triggers",
-        "workflows": "adapters.cli.trigger_cmds:workflows",
-        "credentials": "adapters.cli.credential_cmds:credentials",
-        "doctor": "adapters.cli.ops_cmds:doctor_command",
-        "status": "adapters.cli.ops_cmds:status_command",
-        "workers": "adapters.cli.ops_cmds:workers_group",
-        "tasks": "adapters.cli.task_cmds:tasks",
+        "serve": "ql3.adapters.cli.node_cmds:serve",
+        "worker": "ql3.adapters.cli.node_cmds:worker",
+        "standalone": "ql3.adapters.cli.standalone_cmds:standalone_command",
+        "triggers": "ql3.adapters.cli.trigger_cmds:triggers",
+        "workflows": "ql3.adapters.cli.trigger_cmds:workflows",
+        "credentials": "ql3.adapters.cli.credential_cmds:credentials",
+        "doctor": "ql3.adapters.cli.ops_cmds:doctor_command",
+        "status": "ql3.adapters.cli.ops_cmds:status_command",
+        "workers": "ql3.adapters.cli.ops_cmds:workers_group",
+        "tasks": "ql3.adapters.cli.task_cmds:tasks",
     },
 )
 def cli() -> None:
@@ -158,12 +158,12 @@ def cli() -> None:
 @click.option("--keep", "folder", default=None, help="Keep the database and log in this folder.")
 def demo(short: bool, folder: str | None) -> None:
     """Tell the recovery story: a process dies mid-task and is restarted."""
-    from adapters.cli.demo import run_demo
+    from ql3.adapters.cli.demo import run_demo
 
     run_demo(short=short or None, folder=folder)
 
 
-@cli.group(cls=LazyGroup, lazy={"grant-ingress": "adapters.cli.db_cmds:grant_ingress_command"})
+@cli.group(cls=LazyGroup, lazy={"grant-ingress": "ql3.adapters.cli.db_cmds:grant_ingress_command"})
 def db() -> None:
     """Database administration."""
 
@@ -172,7 +172,7 @@ def db() -> None:
 @database_option
 def db_upgrade(database_url: str | None) -> None:
     """Apply the schema migrations."""
-    from adapters.postgres.migrate import current_revision, upgrade
+    from ql3.adapters.postgres.migrate import current_revision, upgrade
 
     url = _database_url(database_url)
     upgrade(url)
@@ -262,7 +262,7 @@ def submit(
         )
     delay_ms, run_after_ms = _submit_timing(delay, run_after)
     if unique_key is not None:
-        from domain.transitions import check_unique_key
+        from ql3.domain.transitions import check_unique_key
 
         check_unique_key(unique_key)
     request = AdmissionRequest(
@@ -275,7 +275,7 @@ def submit(
         delay_ms=delay_ms,
         run_after_ms=run_after_ms,
     )
-    from bootstrap.producer import submit as admit_on
+    from ql3.bootstrap.producer import submit as admit_on
 
     with _submit_store(database_url) as store:
         admitted = admit_on(store, [request])[0]
@@ -292,7 +292,7 @@ def submit(
 def _submit_timing(delay: float | None, run_after: str | None) -> tuple[int | None, int | None]:
     """The delay and the due time of ``ql3 submit`` in milliseconds (at most one of them);
     bad input is a usage error."""
-    from application.admission import delay_ms, epoch_ms
+    from ql3.application.admission import delay_ms, epoch_ms
 
     if delay is not None and run_after is not None:
         _fail_usage("give --delay or --run-after, not both")
@@ -312,8 +312,8 @@ def _submit_timing(delay: float | None, run_after: str | None) -> tuple[int | No
 @cli.group(
     cls=LazyGroup,
     lazy={
-        "quarantine": "adapters.cli.ops_cmds:quarantine_command",
-        "unquarantine": "adapters.cli.ops_cmds:unquarantine_command",
+        "quarantine": "ql3.adapters.cli.ops_cmds:quarantine_command",
+        "unquarantine": "ql3.adapters.cli.ops_cmds:unquarantine_command",
     },
 )
 def runs() -> None:
@@ -327,7 +327,7 @@ def runs() -> None:
 @json_option
 def runs_list(status: str | None, limit: int, database_url: str | None, as_json: bool) -> None:
     """List runs, oldest first."""
-    from application.queries import RunQueries
+    from ql3.application.queries import RunQueries
 
     with _cluster(database_url) as container:
         found = RunQueries(container.store().unit_of_work).list(
@@ -360,7 +360,7 @@ def runs_list(status: str | None, limit: int, database_url: str | None, as_json:
 @json_option
 def runs_show(run_id: str, database_url: str | None, as_json: bool) -> None:
     """Show a run, its attempts with their leases, and its events."""
-    from application.queries import RunQueries
+    from ql3.application.queries import RunQueries
 
     with _cluster(database_url) as container:
         view = RunQueries(container.store().unit_of_work).show(run_id)
@@ -427,7 +427,7 @@ def runs_prune(
     """Delete finished runs (succeeded, failed, cancelled) whose last change is older than
     DURATION, with their attempts, leases, events and every row that references them, in
     short transactions of at most --batch-size runs (ADR 0016). Made for cron."""
-    from application.history import HistoryPruning, InvalidDuration, parse_duration
+    from ql3.application.history import HistoryPruning, InvalidDuration, parse_duration
 
     try:
         older_than_ms = parse_duration(finished_before)
@@ -470,8 +470,8 @@ def runs_prune(
 def runs_cancel(run_id: str, reason: str, database_url: str | None, as_json: bool) -> None:
     """Cancel an unfinished run now; a running task is stopped by its worker at its next call
     to the node (ADR 0017)."""
-    from domain.errors import InvalidTransition
-    from domain.transitions import MAX_CANCEL_REASON_LENGTH
+    from ql3.domain.errors import InvalidTransition
+    from ql3.domain.transitions import MAX_CANCEL_REASON_LENGTH
 
     if not reason.strip() or len(reason) > MAX_CANCEL_REASON_LENGTH or "\x00" in reason:
         _fail_usage(f"--reason must be 1..{MAX_CANCEL_REASON_LENGTH} characters, without NUL")

@@ -12,7 +12,7 @@ from typing import Any
 
 import click
 
-from adapters.cli import secure
+from ql3.adapters.cli import secure
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 positive = click.FloatRange(min=0, min_open=True)
@@ -30,7 +30,7 @@ def _configure_logging(
     context: dict[str, str] | None = None,
     secrets: tuple[str | None, ...] = (),
 ) -> None:
-    from adapters import logs
+    from ql3.adapters import logs
 
     logs.configure(level, log_format, context=context, secrets=secrets)
 
@@ -106,16 +106,16 @@ def serve(
     Off a loopback address the node starts only when workers must authenticate
     (--require-credentials: `ql3 credentials issue`; or $QL3_REGISTRATION_TOKEN) or
     --allow-anonymous-workers says otherwise. Stops on SIGTERM or SIGINT."""
-    from adapters.cli.main import Failure, _database_url
-    from bootstrap import node
+    from ql3.adapters.cli.main import Failure, _database_url
+    from ql3.bootstrap import node
 
     options = secure.node_settings(host, database_url, ingress_database_url, security)
     url = _postgres_url(_database_url(options.pop("database_url")))
     ingress_url = options.pop("ingress_database_url")
     if ingress_url:
         ingress_url = _postgres_url(_database_url(ingress_url))
-    from adapters.logs import url_password
-    from adapters.secrets import SecretUnavailable
+    from ql3.adapters.logs import url_password
+    from ql3.adapters.secrets import SecretUnavailable
 
     ingress_password = None
     if (password_source := options.get("ingress_password_source")) is not None:
@@ -246,9 +246,9 @@ def worker(
     finish, work granted that never began is handed back, the session closes; a second signal
     stops the tasks at once. Exits 1 when the session is lost or the ingress stays
     unreachable for the lease TTL (at least 5 s)."""
-    from adapters.cli.main import Failure
-    from adapters.execution import AppLoadError, load_app
-    from adapters.worker.runtime import Worker, WorkerFailed, WorkerSettings
+    from ql3.adapters.cli.main import Failure
+    from ql3.adapters.execution import AppLoadError, load_app
+    from ql3.adapters.worker.runtime import Worker, WorkerFailed, WorkerSettings
 
     if not ingress_url.startswith(("http://", "https://")):
         raise click.BadParameter("must start with http:// or https://", param_hint="--ingress")
@@ -274,7 +274,7 @@ def worker(
     )
     runner = Worker(settings)
     if metrics_port is not None:
-        from adapters.prometheus import serve_worker_metrics
+        from ql3.adapters.prometheus import serve_worker_metrics
 
         serve_worker_metrics(runner, metrics_host, metrics_port)
     signals = 0

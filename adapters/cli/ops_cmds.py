@@ -11,8 +11,8 @@ from typing import Any
 
 import click
 
-from adapters.cli.trigger_cmds import database_option, json_option
-from application.operations import (
+from ql3.adapters.cli.trigger_cmds import database_option, json_option
+from ql3.application.operations import (
     Doctor,
     Quarantines,
     diagnose,
@@ -20,13 +20,13 @@ from application.operations import (
     node_dict,
     quarantined_dict,
 )
-from application.ports import HARD_PAGE_CAP, OperationsView, SessionCapacity
-from domain.model import JsonValue
+from ql3.application.ports import HARD_PAGE_CAP, OperationsView, SessionCapacity
+from ql3.domain.model import JsonValue
 
 
 @contextmanager
 def _container(database_url: str | None) -> Iterator[Any]:
-    from adapters.cli.main import _cluster
+    from ql3.adapters.cli.main import _cluster
 
     with _cluster(database_url) as container:
         yield container
@@ -41,7 +41,7 @@ def _emit(as_json: bool, document: object, lines: list[str]) -> None:
 
 
 def _iso(ms: int | None) -> str:
-    from adapters.cli.main import _iso as iso
+    from ql3.adapters.cli.main import _iso as iso
 
     return "-" if ms is None else iso(ms)
 
@@ -87,7 +87,7 @@ def unquarantine_command(run_id: str, reason: str, database_url: str | None, as_
 def doctor_command(database_url: str | None, as_json: bool) -> None:
     """Say what keeps the runtime from making progress, and what to do about it. Exits 1 when
     something does."""
-    from adapters.cli.main import Failure
+    from ql3.adapters.cli.main import Failure
 
     with _container(database_url) as container:
         view, findings = Doctor(container.store()).examine()

@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 
 import click
 
-from adapters.secrets import FileSecret, SecretUnavailable, from_environment, secret_source
+from ql3.adapters.secrets import FileSecret, SecretUnavailable, from_environment, secret_source
 
 F = TypeVar("F", bound=Callable[..., Any])
 READABLE_FILE = click.Path(exists=True, dir_okay=False, readable=True)

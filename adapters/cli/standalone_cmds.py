@@ -163,8 +163,8 @@ def standalone_command(
 ) -> None:
     """Execute the tasks of --app on an embedded database until SIGTERM or SIGINT."""
     with _start_up_uncollected():
-        from adapters import logs
-        from adapters.execution import AppLoadError, load_app
+        from ql3.adapters import logs
+        from ql3.adapters.execution import AppLoadError, load_app
 
         emit = _stamp
         if log_format == "json":
@@ -186,9 +186,9 @@ def standalone_command(
                 settings[name] = value
         with _without_unused_integrations():
             if edge:
-                from bootstrap import edge as profile
+                from ql3.bootstrap import edge as profile
             else:
-                from bootstrap import standalone as profile  # type: ignore[no-redef]
+                from ql3.bootstrap import standalone as profile  # type: ignore[no-redef]
         container = profile.build(**settings)
     try:
         runner = container.runner(tasks=tasks, emit=emit)

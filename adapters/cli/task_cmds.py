@@ -9,10 +9,10 @@ from datetime import UTC, datetime
 
 import click
 
-from adapters.cli.trigger_cmds import database_option, json_option
-from application.task_limits import TaskLimits
-from domain.dispatch import MAX_TASK_LIMIT, TaskLimit
-from domain.model import JsonValue
+from ql3.adapters.cli.trigger_cmds import database_option, json_option
+from ql3.application.task_limits import TaskLimits
+from ql3.domain.dispatch import MAX_TASK_LIMIT, TaskLimit
+from ql3.domain.model import JsonValue
 
 
 def limit_document(limit: TaskLimit) -> dict[str, JsonValue]:
@@ -50,7 +50,7 @@ def limit_command(
     task: str, max_running: int | None, clear: bool, database_url: str | None, as_json: bool
 ) -> None:
     """Let at most MAX_RUNNING attempts of TASK run at once (0 stops its claims), or --clear."""
-    from adapters.cli.main import Failure, _fail_usage, _producer
+    from ql3.adapters.cli.main import Failure, _fail_usage, _producer
 
     if clear == (max_running is not None):
         _fail_usage("give either MAX_RUNNING or --clear")
@@ -76,7 +76,7 @@ def limit_command(
 @json_option
 def limits_command(database_url: str | None, as_json: bool) -> None:
     """List the task limits."""
-    from adapters.cli.main import _producer
+    from ql3.adapters.cli.main import _producer
 
     with _producer(database_url) as producer:
         found = TaskLimits(producer.store.unit_of_work).all()

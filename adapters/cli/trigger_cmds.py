@@ -13,10 +13,10 @@ from typing import Any
 
 import click
 
-from application.triggers import TriggerDefinition, UnknownTrigger
-from domain.model import JsonValue
-from domain.policy import Backoff, RetryPolicy, Safety, policy_to_document
-from domain.triggers import DEFAULT_CATCH_UP_LIMIT, MAX_CATCH_UP_LIMIT, CatchUp, Trigger
+from ql3.application.triggers import TriggerDefinition, UnknownTrigger
+from ql3.domain.model import JsonValue
+from ql3.domain.policy import Backoff, RetryPolicy, Safety, policy_to_document
+from ql3.domain.triggers import DEFAULT_CATCH_UP_LIMIT, MAX_CATCH_UP_LIMIT, CatchUp, Trigger
 
 database_option = click.option(
     "--database-url", "database_url", default=None, help="Defaults to $QL3_DATABASE_URL."
@@ -26,7 +26,7 @@ json_option = click.option("--json", "as_json", is_flag=True, help="Print one JS
 
 @contextmanager
 def _container(database_url: str | None) -> Iterator[Any]:
-    from adapters.cli.main import _cluster
+    from ql3.adapters.cli.main import _cluster
 
     with _cluster(database_url) as container:
         yield container
@@ -37,7 +37,7 @@ def _emit(as_json: bool, document: object, text: str) -> None:
 
 
 def _not_found(name: str) -> Exception:
-    from adapters.cli.main import Failure
+    from ql3.adapters.cli.main import Failure
 
     return Failure(f"not found: trigger {name}")
 
@@ -256,7 +256,7 @@ def submit(file: Path, database_url: str | None, as_json: bool) -> None:
         raise click.UsageError(f"{file} is not JSON: {error.msg} (line {error.lineno})") from None
     if not isinstance(document, dict):
         raise click.UsageError(f"{file} must hold a JSON object")
-    from domain.workflows import workflow_from_document
+    from ql3.domain.workflows import workflow_from_document
 
     spec = workflow_from_document(document)  # refused before any database is opened
     with _container(database_url) as container:

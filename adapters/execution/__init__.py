@@ -3,7 +3,7 @@
 Shared by every executor (the remote worker and the Standalone/Edge in-process pool), so a
 task behaves the same wherever it runs."""
 
-from adapters.execution.app import (
+from ql3.adapters.execution.app import (
     AppLoadError,
     TaskContext,
     TaskMapping,

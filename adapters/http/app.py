@@ -11,7 +11,7 @@ the worker no longer holds and starts queued attempts, in one transaction, and m
 work (a long poll). Renewals, completions, releases and abandons travel in batches (one HTTP
 call, one transaction) with a result per item, so one stale fence does not fail the others.
 
-The ingress calls :class:`~application.worker_commands.WorkerCommands` and nothing else: it
+The ingress calls :class:`~ql3.application.worker_commands.WorkerCommands` and nothing else: it
 holds no SQL.
 
 Statuses: 401 missing or wrong secret, 404 unknown session, 409 a session that is no longer
@@ -25,15 +25,15 @@ from contextlib import AbstractAsyncContextManager, asynccontextmanager
 
 from fastapi import FastAPI
 
-from adapters.http.auth import RegistrationAuth
-from adapters.http.batches import batch_routes
-from adapters.http.claims import claim_routes
-from adapters.http.deps import IngressState
-from adapters.http.errors import install_error_handlers
-from adapters.http.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
-from adapters.http.sessions import node_routes, session_routes
-from adapters.http.wake import ClaimSignal
-from application.worker_commands import WorkerCommands
+from ql3.adapters.http.auth import RegistrationAuth
+from ql3.adapters.http.batches import batch_routes
+from ql3.adapters.http.claims import claim_routes
+from ql3.adapters.http.deps import IngressState
+from ql3.adapters.http.errors import install_error_handlers
+from ql3.adapters.http.limits import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
+from ql3.adapters.http.sessions import node_routes, session_routes
+from ql3.adapters.http.wake import ClaimSignal
+from ql3.application.worker_commands import WorkerCommands
 
 API_VERSION = "1"
 MIN_HEARTBEAT_INTERVAL_MS = 50

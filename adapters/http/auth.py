@@ -18,10 +18,10 @@ import hmac
 import logging
 from dataclasses import dataclass
 
-from adapters.http.errors import ApiError, translated
-from application.credentials import SECRET_PREFIX, CredentialCommands
-from application.worker_commands import SessionGrant, WorkerCommands
-from domain.credentials import CredentialRejected
+from ql3.adapters.http.errors import ApiError, translated
+from ql3.application.credentials import SECRET_PREFIX, CredentialCommands
+from ql3.application.worker_commands import SessionGrant, WorkerCommands
+from ql3.domain.credentials import CredentialRejected
 
 log = logging.getLogger("ql3.ingress")
 

@@ -2,7 +2,7 @@
 
 Each is one HTTP call and one transaction, with a result per item, so one stale fence does not
 fail the others; an item's ``status`` is the one it would have got as a call of its own. A
-successful batch wakes the session's parked claim (see :mod:`adapters.http.claims`)."""
+successful batch wakes the session's parked claim (see :mod:`ql3.adapters.http.claims`)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from typing import Any
 
 from fastapi import APIRouter
 
-from adapters.http.deps import Ingress, Secret, SessionId
-from adapters.http.errors import ERRORS, translated
-from adapters.http.schemas import (
+from ql3.adapters.http.deps import Ingress, Secret, SessionId
+from ql3.adapters.http.errors import ERRORS, translated
+from ql3.adapters.http.schemas import (
     AbandonBatch,
     BatchResponse,
     CompleteBatch,
@@ -22,7 +22,7 @@ from adapters.http.schemas import (
     ItemResultBody,
     ReleaseBatch,
 )
-from application.worker_commands import (
+from ql3.application.worker_commands import (
     Abandonment,
     BatchAnswer,
     BatchOutcome,
@@ -31,7 +31,7 @@ from application.worker_commands import (
     Rejection,
     Release,
 )
-from domain.fence import LeaseFence
+from ql3.domain.fence import LeaseFence
 
 batch_routes = APIRouter(
     prefix="/v1/sessions/{session_id}",

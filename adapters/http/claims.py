@@ -3,7 +3,7 @@ longer holds and starts queued Attempts for the session, with a long poll.
 
 The claim's transaction runs in a worker thread. When it asked for work (``limit > 0``), got
 none because nothing is queued or the dispatch gate is closed, and may wait (``wait_ms > 0``),
-the request parks: it awaits the node's :class:`~adapters.http.wake.ClaimSignal` and holds no
+the request parks: it awaits the node's :class:`~ql3.adapters.http.wake.ClaimSignal` and holds no
 thread. A dispatch wake-up makes it claim again (without completions or a statement: the first
 transaction committed them) and answer as soon as something is granted; the end of
 ``wait_ms``, the node's shutdown, another call of the same session or the client going away
@@ -22,12 +22,12 @@ from anyio import to_thread
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from adapters.http.batches import completion_of, item_document
-from adapters.http.deps import Ingress, IngressState, Secret, SessionId
-from adapters.http.errors import ERRORS, ApiError, translated
-from adapters.http.schemas import ClaimRequest, ClaimResponse
-from adapters.http.wake import ClaimTicket, Woken
-from application.worker_commands import ClaimAnswer, Completion, Grant, NoGrant
+from ql3.adapters.http.batches import completion_of, item_document
+from ql3.adapters.http.deps import Ingress, IngressState, Secret, SessionId
+from ql3.adapters.http.errors import ERRORS, ApiError, translated
+from ql3.adapters.http.schemas import ClaimRequest, ClaimResponse
+from ql3.adapters.http.wake import ClaimTicket, Woken
+from ql3.application.worker_commands import ClaimAnswer, Completion, Grant, NoGrant
 
 log = logging.getLogger("ql3.ingress")
 

@@ -12,11 +12,11 @@ from fastapi import Depends, Path, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import AfterValidator
 
-from adapters.http.auth import RegistrationAuth
-from adapters.http.errors import ApiError
-from adapters.http.schemas import MAX_ID_LENGTH, storable
-from adapters.http.wake import ClaimSignal
-from application.worker_commands import WorkerCommands
+from ql3.adapters.http.auth import RegistrationAuth
+from ql3.adapters.http.errors import ApiError
+from ql3.adapters.http.schemas import MAX_ID_LENGTH, storable
+from ql3.adapters.http.wake import ClaimSignal
+from ql3.application.worker_commands import WorkerCommands
 
 log = logging.getLogger("ql3.ingress")
 

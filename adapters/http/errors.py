@@ -16,9 +16,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from adapters.http.schemas import ErrorBody, InvalidRequestBody, Problem
-from application.worker_commands import SessionUnauthorized, UnknownSession
-from domain.errors import DomainError, FenceRejected, InvalidAdmission, SessionRejected
+from ql3.adapters.http.schemas import ErrorBody, InvalidRequestBody, Problem
+from ql3.application.worker_commands import SessionUnauthorized, UnknownSession
+from ql3.domain.errors import DomainError, FenceRejected, InvalidAdmission, SessionRejected
 
 log = logging.getLogger("ql3.ingress")
 

@@ -11,14 +11,14 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, JsonValue
 
-from application.worker_commands import (
+from ql3.application.worker_commands import (
     MAX_BATCH_ITEMS,
     MAX_CLAIM,
     MAX_DETAIL_LENGTH,
     MAX_TOKEN_LENGTH,
     MIN_TOKEN_LENGTH,
 )
-from domain.sessions import MAX_CAPACITY
+from ql3.domain.sessions import MAX_CAPACITY
 
 MAX_ID_LENGTH = 200
 MAX_ERROR_LENGTH = 10_000

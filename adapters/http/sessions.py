@@ -1,7 +1,7 @@
 """The session routes: register, heartbeat, drain, close (and the node's health).
 
 A successful call of a session wakes that session's parked claim (see
-:mod:`adapters.http.claims`): the worker may want it back."""
+:mod:`ql3.adapters.http.claims`): the worker may want it back."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from typing import Any
 
 from fastapi import APIRouter
 
-from adapters.http.auth import register_session
-from adapters.http.deps import Credentials, Ingress, Secret, SessionId
-from adapters.http.errors import ERRORS, translated
-from adapters.http.schemas import (
+from ql3.adapters.http.auth import register_session
+from ql3.adapters.http.deps import Credentials, Ingress, Secret, SessionId
+from ql3.adapters.http.errors import ERRORS, translated
+from ql3.adapters.http.schemas import (
     ErrorBody,
     HealthResponse,
     HeartbeatResponse,

@@ -5,13 +5,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from domain.credentials import CredentialEvent, CredentialEventType, WorkerCredential
-from domain.errors import ConcurrencyConflict
-from domain.model import WorkerSession
-from domain.states import OPEN_SESSION_STATUSES
+from ql3.domain.credentials import CredentialEvent, CredentialEventType, WorkerCredential
+from ql3.domain.errors import ConcurrencyConflict
+from ql3.domain.model import WorkerSession
+from ql3.domain.states import OPEN_SESSION_STATUSES
 
 if TYPE_CHECKING:
-    from adapters.memory.store import MemoryUnitOfWork
+    from ql3.adapters.memory.store import MemoryUnitOfWork
 
 
 class MemoryCredentialRepository:

@@ -1,6 +1,6 @@
 """Finished history in the memory store (ADR 0016): a prune's pick, counts and deletes on the
-same copy-on-write state as :mod:`adapters.memory.store`. The pick is
-:func:`domain.history.is_prunable`; a memory transaction holds the store's lock for its whole
+same copy-on-write state as :mod:`ql3.adapters.memory.store`. The pick is
+:func:`ql3.domain.history.is_prunable`; a memory transaction holds the store's lock for its whole
 life, so nothing is ever skipped as locked."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from application.ports import PrunableRun, PrunedRows, PruneMark
-from domain.history import is_prunable
+from ql3.application.ports import PrunableRun, PrunedRows, PruneMark
+from ql3.domain.history import is_prunable
 
 if TYPE_CHECKING:
-    from adapters.memory.store import MemoryUnitOfWork, _State
+    from ql3.adapters.memory.store import MemoryUnitOfWork, _State
 
 
 def _ids(picked: Sequence[PrunableRun]) -> list[str]:

@@ -1,9 +1,9 @@
 """Triggers and workflow steps in the memory store: the repositories and the two candidate
 sources of the trigger schedule and workflow frontier steps.
 
-They work on the same copy-on-write state as :mod:`adapters.memory.store` and check what the SQL
+They work on the same copy-on-write state as :mod:`ql3.adapters.memory.store` and check what the SQL
 schema enforces (unique names of live triggers, the unique firing key, foreign keys, the
-step-status CHECK), raising :class:`~domain.errors.ConcurrencyConflict` like the SQL stores.
+step-status CHECK), raising :class:`~ql3.domain.errors.ConcurrencyConflict` like the SQL stores.
 """
 
 from __future__ import annotations
@@ -11,15 +11,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from application.ports import DueTrigger, Page, RunCandidate, SessionCapacity, Snapshot
-from domain.errors import ConcurrencyConflict
-from domain.model import LeaseStatus, RunOwner
-from domain.states import CLAIMABLE_RUN_STATUSES
-from domain.triggers import Trigger, TriggerFiring, TriggerStatus
-from domain.workflows import StepStatus, WorkflowStep, needs_frontier
+from ql3.application.ports import DueTrigger, Page, RunCandidate, SessionCapacity, Snapshot
+from ql3.domain.errors import ConcurrencyConflict
+from ql3.domain.model import LeaseStatus, RunOwner
+from ql3.domain.states import CLAIMABLE_RUN_STATUSES
+from ql3.domain.triggers import Trigger, TriggerFiring, TriggerStatus
+from ql3.domain.workflows import StepStatus, WorkflowStep, needs_frontier
 
 if TYPE_CHECKING:
-    from adapters.memory.store import MemoryUnitOfWork, _State
+    from ql3.adapters.memory.store import MemoryUnitOfWork, _State
 
 FiringKey = tuple[str, int]
 

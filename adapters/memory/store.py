@@ -1,4 +1,4 @@
-"""The in-memory store: every port of :mod:`application.ports` on dicts of frozen domain values.
+"""The in-memory store: every port of :mod:`ql3.application.ports` on dicts of frozen domain values.
 
 A unit of work holds the store's lock for its whole duration, so transactions are serial (the
 strongest isolation there is) and safe across threads. It works on a copy-on-write overlay of the
@@ -7,7 +7,7 @@ immutable), :meth:`MemoryUnitOfWork.commit` swaps the overlay in, leaving withou
 it. Every write is a compare-and-set against the ``before`` values, and what the PostgreSQL
 schema enforces with foreign keys, CHECKs and partial unique indexes is checked on every write, so
 that the two stores refuse the same things with the same error:
-:class:`~domain.errors.ConcurrencyConflict`.
+:class:`~ql3.domain.errors.ConcurrencyConflict`.
 
 A write is all-or-nothing: when any of its checks fails, nothing of it reaches the overlay.
 """
@@ -23,12 +23,12 @@ from typing import TYPE_CHECKING
 
 from attrs import evolve
 
-from adapters.batches import OneAtATime
-from adapters.memory import scheduling
-from adapters.memory.clock import FakeClock
-from adapters.memory.credentials import MemoryCredentialRepository
-from adapters.memory.history import MemoryHistoryRepository
-from application.ports import (
+from ql3.adapters.batches import OneAtATime
+from ql3.adapters.memory import scheduling
+from ql3.adapters.memory.clock import FakeClock
+from ql3.adapters.memory.credentials import MemoryCredentialRepository
+from ql3.adapters.memory.history import MemoryHistoryRepository
+from ql3.application.ports import (
     HARD_PAGE_CAP,
     OPEN_GATE,
     ClaimLock,
@@ -54,10 +54,10 @@ from application.ports import (
     WorkflowRepository,
     no_connection_hold,
 )
-from domain.credentials import CredentialEvent, WorkerCredential
-from domain.dispatch import TaskLimit
-from domain.errors import ConcurrencyConflict
-from domain.model import (
+from ql3.domain.credentials import CredentialEvent, WorkerCredential
+from ql3.domain.dispatch import TaskLimit
+from ql3.domain.errors import ConcurrencyConflict
+from ql3.domain.model import (
     Attempt,
     DispatchLease,
     LeaseStatus,
@@ -67,19 +67,19 @@ from domain.model import (
     StopReport,
     WorkerSession,
 )
-from domain.recovery import find_not_running_evidence, is_recovery_candidate, is_resolvable
-from domain.retry import is_due_retry, is_lost_retry_candidate
-from domain.states import (
+from ql3.domain.recovery import find_not_running_evidence, is_recovery_candidate, is_resolvable
+from ql3.domain.retry import is_due_retry, is_lost_retry_candidate
+from ql3.domain.states import (
     CLAIMABLE_RUN_STATUSES,
     NON_TERMINAL_ATTEMPT_STATUSES,
     OPEN_SESSION_STATUSES,
 )
-from domain.transitions import Change
-from domain.triggers import Trigger, TriggerFiring
-from domain.workflows import WorkflowStep
+from ql3.domain.transitions import Change
+from ql3.domain.triggers import Trigger, TriggerFiring
+from ql3.domain.workflows import WorkflowStep
 
 if TYPE_CHECKING:
-    from application.ports import SchedulerStore, SchedulerUnitOfWork
+    from ql3.application.ports import SchedulerStore, SchedulerUnitOfWork
 
 LeaseKey = tuple[str, int]
 SinceOf = Callable[[Run], int]
@@ -645,7 +645,7 @@ class MemoryStore:
         return MemoryUnitOfWork(self)
 
     def holding_connection(self) -> AbstractContextManager[None]:
-        """The :class:`~application.ports.ConnectionHold` of a store without connections."""
+        """The :class:`~ql3.application.ports.ConnectionHold` of a store without connections."""
         return no_connection_hold()
 
     def close(self) -> None:

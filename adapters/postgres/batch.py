@@ -1,10 +1,10 @@
-"""The rows of the store's batch statements (:mod:`adapters.postgres.hot`): one JSON document
+"""The rows of the store's batch statements (:mod:`ql3.adapters.postgres.hot`): one JSON document
 per table, and the row counts each statement must report. A row leaves out its null columns:
 ``json_to_recordset`` gives NULL for a missing key as for a JSON null, and the documents of an
 admission are less than half as long without them.
 
 Nothing here needs SQLAlchemy: ``ql3 submit`` admits through the driver alone
-(:mod:`adapters.postgres.submit`) with the same rows and the same checks as the store."""
+(:mod:`ql3.adapters.postgres.submit`) with the same rows and the same checks as the store."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ from typing import Any
 
 from psycopg.types.json import Json
 
-from adapters.sql import rows
-from domain.model import Run
-from domain.states import CLAIMABLE_RUN_STATUSES
-from domain.transitions import Change
+from ql3.adapters.sql import rows
+from ql3.domain.model import Run
+from ql3.domain.states import CLAIMABLE_RUN_STATUSES
+from ql3.domain.transitions import Change
 
 # The documents without the blanks json.dumps puts after separators by default.
 _compact = json.JSONEncoder(separators=(",", ":")).encode

@@ -17,16 +17,16 @@ import psycopg
 from psycopg.rows import dict_row
 from sqlalchemy import Connection
 
-from adapters.postgres import queries
-from adapters.postgres.results import fetched_rows
-from adapters.postgres.store import PostgresStore, PostgresUnitOfWork
-from adapters.sql.schema import EpochMillis
-from domain.errors import ConcurrencyConflict
+from ql3.adapters.postgres import queries
+from ql3.adapters.postgres.results import fetched_rows
+from ql3.adapters.postgres.store import PostgresStore, PostgresUnitOfWork
+from ql3.adapters.sql.schema import EpochMillis
+from ql3.domain.errors import ConcurrencyConflict, Error
 
 T = TypeVar("T")
 
 
-class UnsupportedTransaction(TypeError):
+class UnsupportedTransaction(Error, TypeError):
     """What the caller passed is not a transaction this store can write in."""
 
 

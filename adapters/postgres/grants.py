@@ -6,7 +6,7 @@ this database, then grants exactly:
 
 - ``CONNECT`` on the database and ``USAGE`` on the schema of the QL3 tables;
 - ``SELECT`` on ``runs``, ``run_attempts``, ``run_dispatch_leases``, ``worker_sessions`` and
-  ``dispatch_gate`` (what :class:`~adapters.postgres.ingress.PostgresIngressStore` reads: a
+  ``dispatch_gate`` (what :class:`~ql3.adapters.postgres.ingress.PostgresIngressStore` reads: a
   session and the leases it holds, the Run, Attempt and lease a worker command decides on, and
   whether claims may grant);
 - ``EXECUTE`` on the entry points of migrations ``0002_ingress`` and ``0005_ingress_claim``:

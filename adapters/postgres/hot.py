@@ -4,7 +4,7 @@ Changes and admitting Runs.
 Recovery, lost retry, admission and every worker command go through these steps, once per
 candidate, batch or command. Built as SQLAlchemy Core statements they cost more CPU than the
 database spends on them, so here each is one plain SQL text, generated once per shape from the
-same table metadata (:mod:`adapters.sql.schema`) and run through the driver:
+same table metadata (:mod:`ql3.adapters.sql.schema`) and run through the driver:
 
 - :func:`lock_attempt_sql` takes the Attempt's transaction-level advisory lock (or tries it),
   then locks the Run, Attempt and lease rows, and reads the holder's session, the Attempt's stop
@@ -25,13 +25,13 @@ same table metadata (:mod:`adapters.sql.schema`) and run through the driver:
   the same way, in one statement.
 
 A statement whose writes put a Run into ``queued`` also calls ``pg_notify`` on
-:data:`~adapters.postgres.queries.DISPATCH_CHANNEL`, gated like its writes: the notification is
+:data:`~ql3.adapters.postgres.queries.DISPATCH_CHANNEL`, gated like its writes: the notification is
 delivered when (and only if) the transaction commits, so a parked claim wakes without a round
 trip of its own.
 
 Time columns travel as integer epoch milliseconds (``floor(extract(epoch ...) * 1000)`` on the
 way out; on the way in aware datetimes, or milliseconds inside the JSON documents), as
-:class:`adapters.sql.schema.EpochMillis` does for the Core statements.
+:class:`ql3.adapters.sql.schema.EpochMillis` does for the Core statements.
 """
 
 from __future__ import annotations
@@ -44,11 +44,11 @@ from psycopg.types.json import Jsonb
 from sqlalchemy import JSON, Column, Table
 from sqlalchemy.dialects import postgresql
 
-from adapters.postgres.batch import ADDED, JsonRows, queues_a_run
-from adapters.postgres.queries import ADVISORY_LOCK_NAMESPACE, DISPATCH_CHANNEL
-from adapters.sql import rows
-from adapters.sql.merge import merge_by_run
-from adapters.sql.schema import (
+from ql3.adapters.postgres.batch import ADDED, JsonRows, queues_a_run
+from ql3.adapters.postgres.queries import ADVISORY_LOCK_NAMESPACE, DISPATCH_CHANNEL
+from ql3.adapters.sql import rows
+from ql3.adapters.sql.merge import merge_by_run
+from ql3.adapters.sql.schema import (
     DISPATCH_GATE_ID,
     EpochMillis,
     attempt_stop_reports,
@@ -61,9 +61,9 @@ from adapters.sql.schema import (
     runs,
     worker_sessions,
 )
-from domain.events import RunEvent
-from domain.model import Attempt, AttemptStatus, DispatchLease, LeaseStatus, Run
-from domain.states import CLAIMABLE_RUN_STATUSES
+from ql3.domain.events import RunEvent
+from ql3.domain.model import Attempt, AttemptStatus, DispatchLease, LeaseStatus, Run
+from ql3.domain.states import CLAIMABLE_RUN_STATUSES
 
 RUN_PREFIX = "r_"
 ATTEMPT_PREFIX = "a_"
@@ -285,7 +285,7 @@ def _handed_back(alias: str) -> str:
 
 def _claimable_part(handed_back: bool) -> str:
     """One of the two parts of a claim's candidates (as
-    :func:`adapters.sql.sqlite.hot.claimable_sql` on SQLite), per task named, locked: Attempts
+    :func:`ql3.adapters.sql.sqlite.hot.claimable_sql` on SQLite), per task named, locked: Attempts
     never changed since created, from ``ix_runs_claimable`` by their Runs' ``updated_at``; or
     Attempts handed back, from ``ix_run_attempts_handed_back`` by their own ``created_at``.
     Both the Run's highest priority first, then in the order of the Attempts' age: the first
@@ -545,7 +545,7 @@ def apply_statement(
     event: RunEvent,
 ) -> ApplyStatement:
     """The statement for a Change, fenced exactly as the Core statements of
-    :mod:`adapters.postgres.queries` (``update_run``, ``update_attempt``, ``update_lease``).
+    :mod:`ql3.adapters.postgres.queries` (``update_run``, ``update_attempt``, ``update_lease``).
 
     An update writes only the columns that change: the fence columns and the locks taken
     before make the rest equal to what was read."""

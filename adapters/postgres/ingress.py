@@ -1,11 +1,11 @@
-"""The worker ingress's store: the ports :class:`application.worker_commands.WorkerCommands`
+"""The worker ingress's store: the ports :class:`ql3.application.worker_commands.WorkerCommands`
 needs, on PostgreSQL, through the ingress's own least-privilege role (ADR 0004, ADR 0007).
 
-That role (see :mod:`adapters.postgres.grants`) may read ``runs``, ``run_attempts``,
+That role (see :mod:`ql3.adapters.postgres.grants`) may read ``runs``, ``run_attempts``,
 ``run_dispatch_leases``, ``worker_sessions`` and ``dispatch_gate`` and execute the entry points
 of migrations ``0002_ingress`` and ``0005_ingress_claim``; it can INSERT, UPDATE or DELETE
 nothing and take no row lock. The Python domain still decides every transition, exactly as over
-:class:`~adapters.postgres.store.PostgresStore`; this store only persists the decisions
+:class:`~ql3.adapters.postgres.store.PostgresStore`; this store only persists the decisions
 differently, in few round trips:
 
 - :meth:`IngressSessionRegistry.get` reads the session together with the Attempts its
@@ -16,7 +16,7 @@ differently, in few round trips:
   leases read by one statement once every lock is held, so the read sees every commit made
   before each lock was granted. No row lock (it needs the UPDATE privilege): each write function
   re-locks and re-checks the rows, so a row that changed in between is a
-  :class:`~domain.errors.ConcurrencyConflict`, as a failed compare-and-set is in the runtime's
+  :class:`~ql3.domain.errors.ConcurrencyConflict`, as a failed compare-and-set is in the runtime's
   store.
 - :meth:`IngressRunRepository.lock_for_claim` is one call of ``ql3_ingress_claim_lock``
   (``SECURITY DEFINER``): the session row locked, its lease count, the dispatch gate and, while
@@ -42,7 +42,7 @@ without completions or hand-backs three statements and the commit. (psycopg send
 on its own before the first statement: one more round trip per transaction, on every store.)
 
 Input PostgreSQL cannot store (a NUL character, a lone surrogate) is refused as
-:class:`~domain.errors.InvalidAdmission` before or when it reaches the database, never raised as
+:class:`~ql3.domain.errors.InvalidAdmission` before or when it reaches the database, never raised as
 a store error. What the ingress role may not do raises :class:`IngressNotPermitted`: admission,
 operator attestations, reading events or stop reports, and every candidate source of recovery,
 lost retry and startup (they run on the runtime's own store).
@@ -77,11 +77,11 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.sql.selectable import TextualSelect
 
-from adapters.postgres import queries
-from adapters.postgres.engine import pooled_engine
-from adapters.sql import rows, statements
-from adapters.sql.repositories import SqlRunReads, SqlSessionReads
-from adapters.sql.schema import (
+from ql3.adapters.postgres import queries
+from ql3.adapters.postgres.engine import pooled_engine
+from ql3.adapters.sql import rows, statements
+from ql3.adapters.sql.repositories import SqlRunReads, SqlSessionReads
+from ql3.adapters.sql.schema import (
     EpochMillis,
     datetime_to_millis,
     millis_to_datetime,
@@ -90,7 +90,7 @@ from adapters.sql.schema import (
     runs,
     worker_sessions,
 )
-from application.ports import (
+from ql3.application.ports import (
     ClaimLock,
     DispatchGate,
     EvidenceRepository,
@@ -103,10 +103,10 @@ from application.ports import (
     StoredEvent,
     WorkerSessionRegistry,
 )
-from domain.dispatch import TaskLimit
-from domain.errors import ConcurrencyConflict, InvalidAdmission
-from domain.events import EventType, RunEvent
-from domain.model import (
+from ql3.domain.dispatch import TaskLimit
+from ql3.domain.errors import ConcurrencyConflict, InvalidAdmission
+from ql3.domain.events import EventType, RunEvent
+from ql3.domain.model import (
     DispatchLease,
     EvidenceKind,
     LeaseStatus,
@@ -114,13 +114,13 @@ from domain.model import (
     StopReport,
     WorkerSession,
 )
-from domain.states import OPEN_SESSION_STATUSES
-from domain.transitions import Change
+from ql3.domain.states import OPEN_SESSION_STATUSES
+from ql3.domain.transitions import Change
 
 if TYPE_CHECKING:
     from sqlalchemy import Table
 
-    from application.ports import RuntimeStore, UnitOfWork
+    from ql3.application.ports import RuntimeStore, UnitOfWork
 
 __all__ = ["IngressNotPermitted", "PostgresIngressStore", "PostgresIngressUnitOfWork"]
 
@@ -292,7 +292,7 @@ def _changed(table: Table, before: Mapping[str, Any], after: Mapping[str, Any]) 
 
 
 def _from_json(table: Table, found: Mapping[str, Any]) -> dict[str, Any]:
-    """A row as ``to_jsonb`` gives it, with the values :mod:`adapters.sql.rows` reads: times as
+    """A row as ``to_jsonb`` gives it, with the values :mod:`ql3.adapters.sql.rows` reads: times as
     epoch milliseconds, doubles as floats."""
     values: dict[str, Any] = {}
     for column in table.columns:
@@ -415,7 +415,7 @@ class PostgresIngressUnitOfWork:
 
     def execute(self, statement: Any, parameters: Mapping[str, Any] | None = None) -> Any:
         """Run a statement in this transaction. Input PostgreSQL cannot store is an
-        :class:`~domain.errors.InvalidAdmission` (the transaction is then unusable)."""
+        :class:`~ql3.domain.errors.InvalidAdmission` (the transaction is then unusable)."""
         try:
             return self.connection.execute(statement, parameters)
         except UnicodeEncodeError as error:

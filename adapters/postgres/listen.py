@@ -23,7 +23,7 @@ from psycopg import sql
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
 
-from adapters.postgres.queries import DISPATCH_CHANNEL
+from ql3.adapters.postgres.queries import DISPATCH_CHANNEL
 
 log = logging.getLogger("ql3.listen")
 

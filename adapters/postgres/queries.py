@@ -1,5 +1,5 @@
 """The PostgreSQL store's own SQL statements, as SQLAlchemy Core constructs: its clock, its
-locks, its candidate pages, and the shared statements of :mod:`adapters.sql.statements` in its
+locks, its candidate pages, and the shared statements of :mod:`ql3.adapters.sql.statements` in its
 spelling (:data:`POSTGRES`). The store executes these and the shared ones and nothing else, and
 the tests EXPLAIN the very same statements.
 
@@ -8,10 +8,10 @@ offset (zero in production, moved only by the test hook), truncated to whole mil
 value a query compares with is exactly the ``observed_at_ms`` it reports.
 
 Status constants are rendered as SQL literals, not bound parameters, so that the planner can
-match the partial indexes of :mod:`adapters.sql.schema` even with a generic (prepared) plan.
+match the partial indexes of :mod:`ql3.adapters.sql.schema` even with a generic (prepared) plan.
 
 A transaction that puts a Run into ``queued`` sends a notification on :data:`DISPATCH_CHANNEL`
-before it commits (folded into its write statement, see :mod:`adapters.postgres.hot`):
+before it commits (folded into its write statement, see :mod:`ql3.adapters.postgres.hot`):
 PostgreSQL delivers it at commit, once per transaction however many were sent, and never for a
 transaction that rolls back. A node's one ``LISTEN`` connection wakes its parked claims on it
 (ADR 0007).
@@ -44,8 +44,8 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.sql.base import Executable
 from sqlalchemy.sql.elements import BindParameter
 
-from adapters.sql import statements
-from adapters.sql.schema import (
+from ql3.adapters.sql import statements
+from ql3.adapters.sql.schema import (
     ALL_TABLES,
     EpochMillis,
     dispatch_gate,
@@ -54,10 +54,10 @@ from adapters.sql.schema import (
     run_dispatch_leases,
     runs,
 )
-from adapters.sql.statements import Spelling, attempt_columns, lease_columns, run_columns
-from application.ports import OPEN_GATE
-from domain.dispatch import TaskLimit
-from domain.model import DispatchLease, RunOwner, RunStatus
+from ql3.adapters.sql.statements import Spelling, attempt_columns, lease_columns, run_columns
+from ql3.application.ports import OPEN_GATE
+from ql3.domain.dispatch import TaskLimit
+from ql3.domain.model import DispatchLease, RunOwner, RunStatus
 
 # The first key of every two-key advisory lock the store takes: "QL3" in ASCII, an int4.
 ADVISORY_LOCK_NAMESPACE = 0x514C33

@@ -1,7 +1,7 @@
 """The rows of a statement run on a psycopg cursor, read without SQLAlchemy.
 
-Nothing here needs SQLAlchemy: ``ql3 submit`` (:mod:`adapters.postgres.submit`) reads its rows
-the same way as the store's hot paths (:mod:`adapters.postgres.store`)."""
+Nothing here needs SQLAlchemy: ``ql3 submit`` (:mod:`ql3.adapters.postgres.submit`) reads its rows
+the same way as the store's hot paths (:mod:`ql3.adapters.postgres.store`)."""
 
 from __future__ import annotations
 

@@ -1,22 +1,22 @@
-"""The Cluster store: every port of :mod:`application.ports` on PostgreSQL.
+"""The Cluster store: every port of :mod:`ql3.application.ports` on PostgreSQL.
 
 One engine with a small connection pool per store. A :class:`PostgresUnitOfWork` is one
 connection in one READ COMMITTED transaction, rolled back unless committed. Locks follow ADR-0002:
 the Attempt's transaction-level advisory lock first, then row locks on the Run, the Attempt and the
 lease, in that order (a claim's pristine candidates take row locks only: see
-:func:`adapters.postgres.hot.claim_sql`). Every write is a compare-and-set; a write that matches
+:func:`ql3.adapters.postgres.hot.claim_sql`). Every write is a compare-and-set; a write that matches
 no row, and every unique, exclusion, check or foreign-key violation, is raised as
-:class:`~domain.errors.ConcurrencyConflict` (translated here, at the adapter edge). An admission
+:class:`~ql3.domain.errors.ConcurrencyConflict` (translated here, at the adapter edge). An admission
 (``add``, ``add_many``) and an ``apply`` that inserts rows run under a savepoint, so a refused
 write leaves nothing behind and the transaction usable, as in the memory store; a refused
 ``apply_many`` leaves the transaction to be rolled back, as its port says.
 
-Every candidate source is a single statement (see :mod:`adapters.postgres.queries`, re-exported
+Every candidate source is a single statement (see :mod:`ql3.adapters.postgres.queries`, re-exported
 here so that tests EXPLAIN exactly what the store runs) that observes the database clock.
 
 A claim's locks (:meth:`PostgresRunRepository.lock_for_claim`) are two statements in one round
 trip, and a commit that puts a Run into ``queued`` notifies
-:data:`~adapters.postgres.queries.DISPATCH_CHANNEL` (see :mod:`adapters.postgres.hot`).
+:data:`~ql3.adapters.postgres.queries.DISPATCH_CHANNEL` (see :mod:`ql3.adapters.postgres.hot`).
 """
 
 from __future__ import annotations
@@ -38,13 +38,13 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.pool import PoolProxiedConnection
 from sqlalchemy.sql import Executable
 
-from adapters.postgres import hot, queries
-from adapters.postgres import triggers as trigger_pages
-from adapters.postgres import workflows as workflow_pages
-from adapters.postgres.batch import add_many_statement
-from adapters.postgres.engine import connection_ended, pooled_engine
-from adapters.postgres.outage import resume_leases_on_connect
-from adapters.postgres.queries import (
+from ql3.adapters.postgres import hot, queries
+from ql3.adapters.postgres import triggers as trigger_pages
+from ql3.adapters.postgres import workflows as workflow_pages
+from ql3.adapters.postgres.batch import add_many_statement
+from ql3.adapters.postgres.engine import connection_ended, pooled_engine
+from ql3.adapters.postgres.outage import resume_leases_on_connect
+from ql3.adapters.postgres.queries import (
     ADVISORY_LOCK_NAMESPACE,
     DISPATCH_CHANNEL,
     due_retries_query,
@@ -52,23 +52,23 @@ from adapters.postgres.queries import (
     orphaned_runs_query,
     recovery_candidates_query,
 )
-from adapters.postgres.results import fetched_rows
-from adapters.sql import operations, rows, statements
-from adapters.sql.credentials import SqlCredentialRepository
-from adapters.sql.history import SqlHistoryRepository
-from adapters.sql.repositories import (
+from ql3.adapters.postgres.results import fetched_rows
+from ql3.adapters.sql import operations, rows, statements
+from ql3.adapters.sql.credentials import SqlCredentialRepository
+from ql3.adapters.sql.history import SqlHistoryRepository
+from ql3.adapters.sql.repositories import (
     SqlEvidenceRepository,
     SqlGateRepository,
     SqlRunRepository,
     SqlSessionRegistry,
     check_page_limit,
 )
-from adapters.sql.statements import ATTEMPT_COLUMNS, LEASE_COLUMNS, RUN_COLUMNS
-from adapters.sql.transaction import ConnectionTransaction
-from adapters.sql.transaction import conflicts_translated as _conflicts_translated
-from adapters.sql.triggers import SqlTriggerRepository
-from adapters.sql.workflows import SqlWorkflowRepository
-from application.ports import (
+from ql3.adapters.sql.statements import ATTEMPT_COLUMNS, LEASE_COLUMNS, RUN_COLUMNS
+from ql3.adapters.sql.transaction import ConnectionTransaction
+from ql3.adapters.sql.transaction import conflicts_translated as _conflicts_translated
+from ql3.adapters.sql.triggers import SqlTriggerRepository
+from ql3.adapters.sql.workflows import SqlWorkflowRepository
+from ql3.application.ports import (
     ClaimLock,
     CredentialRepository,
     DispatchGate,
@@ -88,18 +88,18 @@ from application.ports import (
     WorkerSessionRegistry,
     WorkflowRepository,
 )
-from domain.dispatch import TaskLimit
-from domain.errors import ConcurrencyConflict
-from domain.model import (
+from ql3.domain.dispatch import TaskLimit
+from ql3.domain.errors import ConcurrencyConflict
+from ql3.domain.model import (
     AttemptStatus,
     DispatchLease,
     StopReport,
     WorkerSession,
 )
-from domain.transitions import Change
+from ql3.domain.transitions import Change
 
 if TYPE_CHECKING:
-    from application.ports import SchedulerStore, SchedulerUnitOfWork
+    from ql3.application.ports import SchedulerStore, SchedulerUnitOfWork
 
 __all__ = [
     "ADVISORY_LOCK_NAMESPACE",
@@ -741,7 +741,7 @@ class PostgresStore:
         psycopg driver). ``create_schema`` runs the Alembic migrations up to head first."""
         driver_url = _driver_url(url)
         if create_schema:
-            from adapters.postgres.migrate import upgrade
+            from ql3.adapters.postgres.migrate import upgrade
 
             upgrade(driver_url)
         # Parameters are hidden: errors reach cycle summaries and logs, and no token may.
@@ -766,7 +766,7 @@ class PostgresStore:
     @contextmanager
     def holding_connection(self) -> Iterator[None]:
         """The units of work this thread opens inside, one after the other, run on one pooled
-        connection, each in its own transaction (:class:`application.ports.ConnectionHold`);
+        connection, each in its own transaction (:class:`ql3.application.ports.ConnectionHold`);
         the connection goes back to the pool at the end. A connection the server has ended
         meanwhile, or one that was lost, is given up for a fresh one, as at a checkout."""
         held = self._held

@@ -2,14 +2,15 @@
 
 A submit from the command line imports, connects, admits and exits; SQLAlchemy's import alone
 takes half of what the whole may take (ADR 0009). This store offers what admission needs of a
-unit of work and nothing else (:class:`application.ports.AdmissionUnitOfWork`): the store's
+unit of work and nothing else (:class:`ql3.application.ports.AdmissionUnitOfWork`): the store's
 clock, the unfinished Runs holding unique keys, and the batch insert of admitted Runs. It runs
-the statements :class:`adapters.postgres.store.PostgresStore` runs, as generated text
-(:mod:`adapters.sql.submit_sql`), with the same rows (:mod:`adapters.postgres.batch`), under a
-savepoint, and the admission is :func:`application.admission.admit_requests`, as everywhere. The
-dispatch wake-up is the statement's ``NOTIFY``, delivered when the transaction commits.
+the statements :class:`ql3.adapters.postgres.store.PostgresStore` runs, as generated text
+(:mod:`ql3.adapters.sql.submit_sql`), with the same rows (:mod:`ql3.adapters.postgres.batch`),
+under a savepoint, and the admission is :func:`ql3.application.admission.admit_requests`, as
+everywhere. The dispatch wake-up is the statement's ``NOTIFY``, delivered when the transaction
+commits.
 
-A unique, check or foreign-key violation is a :class:`~domain.errors.ConcurrencyConflict`; any
+A unique, check or foreign-key violation is a :class:`~ql3.domain.errors.ConcurrencyConflict`; any
 other driver error is raised as the driver's."""
 
 from __future__ import annotations
@@ -21,11 +22,11 @@ from typing import Any
 import psycopg
 from psycopg.rows import dict_row
 
-from adapters.postgres.batch import add_many_statement
-from adapters.postgres.results import fetched_rows
-from adapters.sql import submit_sql
-from domain.errors import ConcurrencyConflict
-from domain.transitions import Change
+from ql3.adapters.postgres.batch import add_many_statement
+from ql3.adapters.postgres.results import fetched_rows
+from ql3.adapters.sql import submit_sql
+from ql3.domain.errors import ConcurrencyConflict
+from ql3.domain.transitions import Change
 
 _SAVEPOINT = "ql3_admission"
 
@@ -105,7 +106,7 @@ class PostgresSubmitUnitOfWork:
 
 
 class PostgresSubmitRuns:
-    """The Runs of admission: :class:`application.ports.AdmissionRuns`."""
+    """The Runs of admission: :class:`ql3.application.ports.AdmissionRuns`."""
 
     def __init__(self, uow: PostgresSubmitUnitOfWork) -> None:
         self._uow = uow
@@ -121,8 +122,8 @@ class PostgresSubmitRuns:
         return {str(row["unique_key"]): str(row["id"]) for row in found}
 
     def add_many(self, changes: Sequence[Change]) -> None:
-        """As :meth:`adapters.postgres.store.PostgresRunRepository.add_many`: one statement under
-        a savepoint, all or none; it notifies the dispatch channel when a Run is queued."""
+        """As :meth:`ql3.adapters.postgres.store.PostgresRunRepository.add_many`: one statement
+        under a savepoint, all or none; it notifies the dispatch channel when a Run is queued."""
         if not changes:
             return
         batch = add_many_statement(changes)

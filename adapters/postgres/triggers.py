@@ -1,4 +1,4 @@
-"""Triggers on PostgreSQL: the shared SQL repository (:mod:`adapters.sql.triggers`) and the
+"""Triggers on PostgreSQL: the shared SQL repository (:mod:`ql3.adapters.sql.triggers`) and the
 due-trigger page, read in one statement on the database's clock."""
 
 from __future__ import annotations
@@ -7,12 +7,12 @@ from typing import TYPE_CHECKING
 
 from sqlalchemy import Select
 
-from adapters.postgres.queries import store_now
-from adapters.sql.triggers import SqlTriggerRepository, due_triggers_query
-from application.ports import HARD_PAGE_CAP, DueTrigger, Page
+from ql3.adapters.postgres.queries import store_now
+from ql3.adapters.sql.triggers import SqlTriggerRepository, due_triggers_query
+from ql3.application.ports import HARD_PAGE_CAP, DueTrigger, Page
 
 if TYPE_CHECKING:
-    from adapters.postgres.store import PostgresStore
+    from ql3.adapters.postgres.store import PostgresStore
 
 __all__ = ["SqlTriggerRepository", "due_triggers", "due_triggers_statement"]
 

@@ -1,4 +1,4 @@
-"""Workflows on PostgreSQL: the shared SQL repository (:mod:`adapters.sql.workflows`) and the
+"""Workflows on PostgreSQL: the shared SQL repository (:mod:`ql3.adapters.sql.workflows`) and the
 frontier's candidate page, read in one statement on the database's clock."""
 
 from __future__ import annotations
@@ -7,12 +7,12 @@ from typing import TYPE_CHECKING
 
 from sqlalchemy import Select
 
-from adapters.postgres.queries import store_now
-from adapters.sql.workflows import SqlWorkflowRepository, workflow_candidates_query
-from application.ports import HARD_PAGE_CAP, Page, RunCandidate
+from ql3.adapters.postgres.queries import store_now
+from ql3.adapters.sql.workflows import SqlWorkflowRepository, workflow_candidates_query
+from ql3.application.ports import HARD_PAGE_CAP, Page, RunCandidate
 
 if TYPE_CHECKING:
-    from adapters.postgres.store import PostgresStore
+    from ql3.adapters.postgres.store import PostgresStore
 
 __all__ = ["SqlWorkflowRepository", "workflow_candidates", "workflow_candidates_statement"]
 

@@ -1,5 +1,5 @@
-"""Worker credentials on a SQL store (ADR 0008): :class:`application.ports.CredentialRepository`
-on any :class:`~adapters.sql.transaction.SqlTransaction`, with its statements and row mapping.
+"""Worker credentials on a SQL store (ADR 0008): :class:`ql3.application.ports.CredentialRepository`
+on any :class:`~ql3.adapters.sql.transaction.SqlTransaction`, with its statements and row mapping.
 The Cluster store (PostgreSQL) uses it; the row locks it asks for are PostgreSQL's."""
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ from typing import Any
 
 from sqlalchemy import insert, select, update
 
-from adapters.sql import rows
-from adapters.sql.schema import worker_credential_events, worker_credentials, worker_sessions
-from adapters.sql.transaction import SqlTransaction
-from domain.credentials import CredentialEvent, CredentialEventType, WorkerCredential
-from domain.model import CredentialStatus, WorkerSession
-from domain.states import OPEN_SESSION_STATUSES
+from ql3.adapters.sql import rows
+from ql3.adapters.sql.schema import worker_credential_events, worker_credentials, worker_sessions
+from ql3.adapters.sql.transaction import SqlTransaction
+from ql3.domain.credentials import CredentialEvent, CredentialEventType, WorkerCredential
+from ql3.domain.model import CredentialStatus, WorkerSession
+from ql3.domain.states import OPEN_SESSION_STATUSES
 
 _c = worker_credentials.c
 _e = worker_credential_events.c

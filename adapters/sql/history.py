@@ -1,13 +1,14 @@
 """Finished history on the shared SQL tables (ADR 0016): a prune's pick, its counts and its
 deletes, for both SQL stores.
 
-The pick mirrors :func:`domain.history.is_prunable`. Its filter on ``runs`` is the very predicate
-of ``ix_runs_finished`` (:data:`adapters.sql.schema.PRUNABLE_RUN`), so that PostgreSQL's generic
-plans and SQLite both read that partial index from the cutoff's oldest end and stop after
-``limit`` rows; PostgreSQL locks the rows it returns with ``FOR UPDATE OF runs SKIP LOCKED``: a
-Run another transaction holds is passed over, never waited for, and no Run that is not finished is
-ever locked. The deletes name tables and key columns only, never a column list, so columns added
-to any table leave them as they are; they run children first, as the foreign keys need.
+The pick mirrors :func:`ql3.domain.history.is_prunable`. Its filter on ``runs`` is the very
+predicate of ``ix_runs_finished`` (:data:`ql3.adapters.sql.schema.PRUNABLE_RUN`), so that
+PostgreSQL's generic plans and SQLite both read that partial index from the cutoff's oldest end and
+stop after ``limit`` rows; PostgreSQL locks the rows it returns with ``FOR UPDATE OF runs SKIP
+LOCKED``: a Run another transaction holds is passed over, never waited for, and no Run that is not
+finished is ever locked. The deletes name tables and key columns only, never a column list, so
+columns added to any table leave them as they are; they run children first, as the foreign keys
+need.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from sqlalchemy import (
     type_coerce,
 )
 
-from adapters.sql.schema import (
+from ql3.adapters.sql.schema import (
     PRUNABLE_RUN,
     EpochMillis,
     attempt_stop_reports,
@@ -45,10 +46,10 @@ from adapters.sql.schema import (
     trigger_firings,
     workflow_steps,
 )
-from adapters.sql.statements import Spelling
-from adapters.sql.transaction import SqlTransaction
-from application.ports import PrunableRun, PrunedRows, PruneMark
-from domain.history import PRUNABLE_RUN_STATUSES, SETTLED_STEP_STATUSES
+from ql3.adapters.sql.statements import Spelling
+from ql3.adapters.sql.transaction import SqlTransaction
+from ql3.application.ports import PrunableRun, PrunedRows, PruneMark
+from ql3.domain.history import PRUNABLE_RUN_STATUSES, SETTLED_STEP_STATUSES
 
 
 def prunable_query(
@@ -153,7 +154,7 @@ def count_statements(picked: Sequence[PrunableRun]) -> list[tuple[str, Select]]:
 
 
 class SqlHistoryRepository:
-    """:class:`application.ports.HistoryRepository` on any :class:`SqlTransaction`."""
+    """:class:`ql3.application.ports.HistoryRepository` on any :class:`SqlTransaction`."""
 
     def __init__(self, tx: SqlTransaction, spelling: Spelling, *, skip_locked: bool) -> None:
         self._tx = tx

@@ -9,8 +9,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
-from domain.events import RunEvent
-from domain.model import Attempt, DispatchLease, Run
+from ql3.domain.events import RunEvent
+from ql3.domain.model import Attempt, DispatchLease, Run
 
 T = TypeVar("T")
 

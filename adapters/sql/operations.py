@@ -22,24 +22,24 @@ from sqlalchemy import (
     update,
 )
 
-from adapters.sql import rows, statements
-from adapters.sql.schema import (
+from ql3.adapters.sql import rows, statements
+from ql3.adapters.sql.schema import (
     run_attempts,
     run_dispatch_leases,
     runs,
     scheduler_nodes,
     worker_sessions,
 )
-from adapters.sql.statements import Spelling
-from application.ports import (
+from ql3.adapters.sql.statements import Spelling
+from ql3.application.ports import (
     EvidenceWaits,
     NodeCycle,
     OperationsView,
     QueueDepth,
     SessionCapacity,
 )
-from domain.model import LeaseStatus
-from domain.states import (
+from ql3.domain.model import LeaseStatus
+from ql3.domain.states import (
     CLAIMABLE_RUN_STATUSES,
     NON_TERMINAL_RUN_STATUSES,
     OPEN_SESSION_STATUSES,

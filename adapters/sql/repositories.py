@@ -1,6 +1,6 @@
 """The repository methods every SQL store runs the same way: key lookups, the inserts of an
 admission, the session registry and the stop-report evidence, on the statements of
-:mod:`adapters.sql.statements`.
+:mod:`ql3.adapters.sql.statements`.
 
 A store's repositories derive from these, name their ``queries`` module (for the statements the
 store spells its own way) and add or override what is their own: the PostgreSQL store its locks,
@@ -15,12 +15,12 @@ from typing import Generic, Protocol, TypeVar
 
 from sqlalchemy import Insert, Select
 
-from adapters.sql import rows, statements
-from adapters.sql.transaction import SqlReader, SqlTransaction
-from application.ports import HARD_PAGE_CAP, DispatchGate, StoredEvent
-from domain.dispatch import TaskLimit
-from domain.model import Attempt, DispatchLease, Run, RunStatus, StopReport, WorkerSession
-from domain.transitions import Change
+from ql3.adapters.sql import rows, statements
+from ql3.adapters.sql.transaction import SqlReader, SqlTransaction
+from ql3.application.ports import HARD_PAGE_CAP, DispatchGate, StoredEvent
+from ql3.domain.dispatch import TaskLimit
+from ql3.domain.model import Attempt, DispatchLease, Run, RunStatus, StopReport, WorkerSession
+from ql3.domain.transitions import Change
 
 R = TypeVar("R", bound=SqlReader)
 W = TypeVar("W", bound=SqlTransaction)
@@ -47,7 +47,7 @@ class DialectQueries(Protocol):
 
 
 class SqlRunReads(Generic[R]):
-    """The reads of :class:`application.ports.RunRepository`."""
+    """The reads of :class:`ql3.application.ports.RunRepository`."""
 
     queries: DialectQueries
 
@@ -126,7 +126,7 @@ class SqlRunRepository(SqlRunReads[W]):
 
 
 class SqlSessionReads(Generic[R]):
-    """The reads of :class:`application.ports.WorkerSessionRegistry`."""
+    """The reads of :class:`ql3.application.ports.WorkerSessionRegistry`."""
 
     queries: DialectQueries
 
@@ -161,7 +161,7 @@ class SqlSessionRegistry(SqlSessionReads[W]):
 
 
 class SqlEvidenceRepository(Generic[W]):
-    """:class:`application.ports.EvidenceRepository`: stop reports, oldest first."""
+    """:class:`ql3.application.ports.EvidenceRepository`: stop reports, oldest first."""
 
     def __init__(self, uow: W) -> None:
         self._uow = uow
@@ -175,7 +175,7 @@ class SqlEvidenceRepository(Generic[W]):
 
 
 class SqlGateRepository(Generic[W]):
-    """:class:`application.ports.DispatchGateRepository`: the one row. A close replaces it
+    """:class:`ql3.application.ports.DispatchGateRepository`: the one row. A close replaces it
     (a failure is reported whatever the gate said); an opening is a compare-and-set on its
     state and ``changed_at``, so it never overwrites a close committed since the cycle
     began. A missing row is written anew."""

@@ -1,9 +1,9 @@
-"""Explicit mapping between rows of :mod:`adapters.sql.schema` and domain values.
+"""Explicit mapping between rows of :mod:`ql3.adapters.sql.schema` and domain values.
 
 ``*_values`` functions give the column values of a domain object (for INSERT and UPDATE);
 ``*_from_row`` functions build the domain object back from a result row. A ``prefix`` selects
 columns labelled ``<prefix><column>`` when one statement returns several tables side by side.
-Times are already integer epoch milliseconds here: :class:`adapters.sql.schema.EpochMillis`
+Times are already integer epoch milliseconds here: :class:`ql3.adapters.sql.schema.EpochMillis`
 converts them at the driver edge.
 """
 
@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-from domain.events import EventType, RunEvent
-from domain.model import (
+from ql3.domain.events import EventType, RunEvent
+from ql3.domain.model import (
     Attempt,
     AttemptStatus,
     DispatchLease,
@@ -29,10 +29,10 @@ from domain.model import (
     StopReport,
     WorkerSession,
 )
-from domain.policy import Backoff, RetryPolicy, Safety
+from ql3.domain.policy import Backoff, RetryPolicy, Safety
 
 if TYPE_CHECKING:
-    from domain.transitions import Change
+    from ql3.domain.transitions import Change
 
 Row = Mapping[Any, Any]
 Values = dict[str, Any]

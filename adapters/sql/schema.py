@@ -50,9 +50,9 @@ from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.expression import ColumnElement
 from sqlalchemy.types import TypeDecorator, TypeEngine
 
-from domain.credentials import CredentialEventType
-from domain.events import EventType
-from domain.model import (
+from ql3.domain.credentials import CredentialEventType
+from ql3.domain.events import EventType
+from ql3.domain.model import (
     MAX_PRIORITY,
     MIN_PRIORITY,
     TERMINAL_RUN_STATUSES,
@@ -65,15 +65,15 @@ from domain.model import (
     RunStatus,
     SessionStatus,
 )
-from domain.policy import MAX_ATTEMPTS_LIMIT, Safety
-from domain.states import (
+from ql3.domain.policy import MAX_ATTEMPTS_LIMIT, Safety
+from ql3.domain.states import (
     CLAIMABLE_RUN_STATUSES,
     NON_TERMINAL_ATTEMPT_STATUSES,
     NON_TERMINAL_RUN_STATUSES,
     OPEN_SESSION_STATUSES,
 )
-from domain.triggers import MAX_CATCH_UP_LIMIT, MIN_INTERVAL_MS, CatchUp, TriggerStatus
-from domain.workflows import StepStatus
+from ql3.domain.triggers import MAX_CATCH_UP_LIMIT, MIN_INTERVAL_MS, CatchUp, TriggerStatus
+from ql3.domain.workflows import StepStatus
 
 NAMING_CONVENTION = {
     "ix": "ix_%(table_name)s_%(column_0_N_name)s",
@@ -198,7 +198,7 @@ E = TypeVar("E", bound=enum.Enum)
 
 
 def in_declared_order(statuses: Iterable[E]) -> list[E]:
-    """The members of a status set of :mod:`domain.states` in the order their enum declares
+    """The members of a status set of :mod:`ql3.domain.states` in the order their enum declares
     them: one SQL spelling of a set, whatever order it iterates in (the order the migrations
     spell them in)."""
     members = list(statuses)
@@ -586,7 +586,7 @@ scheduler_nodes = Table(
 # --- triggers and workflows ----------------------------------------------------------------------
 #
 # Run templates (the policy of a trigger or a workflow step) are JSON documents
-# (``domain.policy.policy_to_document``): they are copied onto each admitted Run's own columns.
+# (``ql3.domain.policy.policy_to_document``): they are copied onto each admitted Run's own columns.
 
 triggers = Table(
     "triggers",

@@ -36,8 +36,8 @@ from sqlalchemy import (
 )
 from sqlalchemy.sql.base import ReadOnlyColumnCollection
 
-from adapters.sql import rows
-from adapters.sql.schema import (
+from ql3.adapters.sql import rows
+from ql3.adapters.sql.schema import (
     DISPATCH_GATE_ID,
     attempt_stop_reports,
     dispatch_gate,
@@ -50,10 +50,10 @@ from adapters.sql.schema import (
     task_limits,
     worker_sessions,
 )
-from application.ports import DispatchGate, StepFailure
-from domain.dispatch import TaskLimit
-from domain.events import RunEvent
-from domain.model import (
+from ql3.application.ports import DispatchGate, StepFailure
+from ql3.domain.dispatch import TaskLimit
+from ql3.domain.events import RunEvent
+from ql3.domain.model import (
     Attempt,
     AttemptStatus,
     DispatchLease,
@@ -64,7 +64,7 @@ from domain.model import (
     StopReport,
     WorkerSession,
 )
-from domain.states import (
+from ql3.domain.states import (
     GONE_SESSION_STATUSES,
     NON_TERMINAL_ATTEMPT_STATUSES,
     NON_TERMINAL_RUN_STATUSES,
@@ -138,7 +138,7 @@ def lease_columns() -> list[ColumnElement[object]]:
 def pristine(
     a: ReadOnlyColumnCollection[str, ColumnElement[Any]], spelling: Spelling
 ) -> ColumnElement[bool]:
-    """Mirror of :attr:`domain.model.Attempt.is_pristine` on columns of ``run_attempts``."""
+    """Mirror of :attr:`ql3.domain.model.Attempt.is_pristine` on columns of ``run_attempts``."""
     return and_(
         spelling.is_(a.status, AttemptStatus.CLAIMED),
         a.session_id.is_(None),
@@ -359,7 +359,7 @@ def reports_for(attempt_id: str) -> Select:
 
 
 def not_quarantined() -> ColumnElement[bool]:
-    """Recovery and lost retry pass over quarantined Runs (``domain.quarantine``)."""
+    """Recovery and lost retry pass over quarantined Runs (``ql3.domain.quarantine``)."""
     return runs.c.quarantined_at.is_(None)
 
 
@@ -379,7 +379,7 @@ def recovery_source(now: ColumnElement[int] | int, spelling: Spelling) -> Recove
     a = run_attempts.c
     r = runs.c
     l = run_dispatch_leases.c  # noqa: E741
-    # A stop report speaks of the start it follows (domain.recovery.find_not_running_evidence).
+    # A stop report speaks of the start it follows (ql3.domain.recovery.find_not_running_evidence).
     stop_reported = exists().where(
         attempt_stop_reports.c.attempt_id == a.id,
         or_(a.started_at.is_(None), attempt_stop_reports.c.reported_at >= a.started_at),

@@ -1,8 +1,8 @@
 """What the shared SQL repositories need from a store's unit of work.
 
 Both SQL stores' units of work provide it (one connection in one transaction); repositories
-written against it (:mod:`adapters.sql.triggers`, :mod:`adapters.sql.workflows`,
-:mod:`adapters.sql.repositories`) run unchanged on either. A unit of work that only reads (the
+written against it (:mod:`ql3.adapters.sql.triggers`, :mod:`ql3.adapters.sql.workflows`,
+:mod:`ql3.adapters.sql.repositories`) run unchanged on either. A unit of work that only reads (the
 worker ingress's) is a :class:`SqlReader`. :class:`ConnectionTransaction` is how both stores
 provide it on their one connection."""
 
@@ -16,7 +16,7 @@ from sqlalchemy import Connection
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.sql import Executable
 
-from domain.errors import ConcurrencyConflict
+from ql3.domain.errors import ConcurrencyConflict
 
 T = TypeVar("T")
 

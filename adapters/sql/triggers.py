@@ -16,11 +16,11 @@ from typing import Any
 from sqlalchemy import ColumnElement, Insert, Select, Update, insert, literal_column, select, true
 from sqlalchemy import update as sql_update
 
-from adapters.sql.rows import Row, Values
-from adapters.sql.schema import trigger_firings, triggers
-from adapters.sql.transaction import SqlTransaction
-from domain.policy import RetryPolicy, policy_from_document, policy_to_document
-from domain.triggers import CatchUp, Trigger, TriggerFiring, TriggerStatus
+from ql3.adapters.sql.rows import Row, Values
+from ql3.adapters.sql.schema import trigger_firings, triggers
+from ql3.adapters.sql.transaction import SqlTransaction
+from ql3.domain.policy import RetryPolicy, policy_from_document, policy_to_document
+from ql3.domain.triggers import CatchUp, Trigger, TriggerFiring, TriggerStatus
 
 # Rendered inline, so that the partial indexes match generic plans too.
 ACTIVE: ColumnElement[str] = literal_column(f"'{TriggerStatus.ACTIVE.value}'")
@@ -168,7 +168,7 @@ def due_triggers_query(limit: int, now: ColumnElement[int]) -> Select:
 
 
 class SqlTriggerRepository:
-    """:class:`application.ports.TriggerRepository` on any :class:`SqlTransaction`."""
+    """:class:`ql3.application.ports.TriggerRepository` on any :class:`SqlTransaction`."""
 
     def __init__(self, tx: SqlTransaction) -> None:
         self._tx = tx

@@ -1,5 +1,5 @@
 """Workflow steps on the shared SQL tables: row mapping, statements, the repository and the
-frontier's candidate query, for every SQL store (see :mod:`adapters.sql.triggers` for how locks
+frontier's candidate query, for every SQL store (see :mod:`ql3.adapters.sql.triggers` for how locks
 and the store's clock are handled)."""
 
 from __future__ import annotations
@@ -22,13 +22,13 @@ from sqlalchemy import (
     update,
 )
 
-from adapters.sql.rows import Row, Values
-from adapters.sql.schema import runs, workflow_steps
-from adapters.sql.transaction import SqlTransaction
-from adapters.sql.triggers import policy_document
-from domain.model import TERMINAL_RUN_STATUSES, RunOwner, RunStatus
-from domain.policy import policy_from_document
-from domain.workflows import NOT_STARTED_RUN_STATUSES, StepStatus, WorkflowStep
+from ql3.adapters.sql.rows import Row, Values
+from ql3.adapters.sql.schema import runs, workflow_steps
+from ql3.adapters.sql.transaction import SqlTransaction
+from ql3.adapters.sql.triggers import policy_document
+from ql3.domain.model import TERMINAL_RUN_STATUSES, RunOwner, RunStatus
+from ql3.domain.policy import policy_from_document
+from ql3.domain.workflows import NOT_STARTED_RUN_STATUSES, StepStatus, WorkflowStep
 
 
 def _const(value: str) -> ColumnElement[str]:
@@ -114,7 +114,7 @@ def step_of_run(run_id: str) -> Select:
 
 def workflow_candidates_query(limit: int, now: ColumnElement[int]) -> Select:
     """Workflow aggregate Runs the frontier has work for (mirrors
-    :func:`domain.workflows.needs_frontier`), by (updated_at, id), ``limit + 1`` rows, as
+    :func:`ql3.domain.workflows.needs_frontier`), by (updated_at, id), ``limit + 1`` rows, as
     ``clock LEFT JOIN page ON true``.
 
     Each branch starts from live work only (``created`` Runs, open steps), so the cost does not
@@ -171,7 +171,7 @@ def workflow_candidates_query(limit: int, now: ColumnElement[int]) -> Select:
 
 
 class SqlWorkflowRepository:
-    """:class:`application.ports.WorkflowRepository` on any :class:`SqlTransaction`."""
+    """:class:`ql3.application.ports.WorkflowRepository` on any :class:`SqlTransaction`."""
 
     def __init__(self, tx: SqlTransaction) -> None:
         self._tx = tx

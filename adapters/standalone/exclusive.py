@@ -11,10 +11,12 @@ from __future__ import annotations
 import contextlib
 import os
 
+from ql3.domain.errors import Error
+
 LOCK_SUFFIX = ".lock"
 
 
-class AlreadyRunning(RuntimeError):
+class AlreadyRunning(Error, RuntimeError):
     """Another process executes work on this database."""
 
 

@@ -24,10 +24,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from adapters.execution import TaskContext, TaskMapping, invoke_task
-from application.worker_commands import Grant
-from domain.fence import LeaseFence
-from domain.model import JsonValue
+from ql3.adapters.execution import TaskContext, TaskMapping, invoke_task
+from ql3.application.worker_commands import Grant
+from ql3.domain.fence import LeaseFence
+from ql3.domain.model import JsonValue
 
 MAX_ERROR_LENGTH = 2_000
 

@@ -2,12 +2,13 @@
 for the in-process pool through the worker protocol and runs the cadence.
 
 Boot
-    1. Take the database's exclusive lock (:mod:`adapters.standalone.exclusive`): from here on no
+    1. Take the database's exclusive lock (:mod:`ql3.adapters.standalone.exclusive`): from here on
+    no
        other process executes work on this database.
     2. Register this process's worker session under the worker id every executing process of
        the database uses. The open session of the previous process is marked ``replaced``:
        trusted evidence that what it started no longer runs.
-    3. Run startup recovery (:class:`application.startup.StartupRecovery`): orphans get their
+    3. Run startup recovery (:class:`ql3.application.startup.StartupRecovery`): orphans get their
        first Attempt, Attempts the previous process left behind whose leases expired are marked
        lost, and lost Runs go through the lost-retry decision (retry only when declared safe).
     4. Leases the previous process still held keep their authority until they expire (at most one
@@ -18,8 +19,8 @@ Boot
 Loop
     One thread (the caller of :meth:`StandaloneRunner.serve`) is the only one that speaks to the
     store, through the worker protocol's commands
-    (:class:`application.worker_commands.WorkerCommands`), so the same transitions apply as for a
-    remote worker (ADR 0007):
+    (:class:`ql3.application.worker_commands.WorkerCommands`), so the same transitions apply as for
+    a remote worker (ADR 0007):
 
     - Work is pulled: one ``claim`` asks for the pool's free capacity, carries the completions of
       the tasks that finished since the last call and states what the pool holds (``held``), all
@@ -31,7 +32,7 @@ Loop
       session sends no heartbeat: the process owns the database (the exclusive lock), so its
       liveness concerns nobody else and a restart replaces its session; an idle process writes
       nothing (ADR 0012).
-    - The cadence (:class:`adapters.standalone.steps.StandaloneCoordinator`: due retries,
+    - The cadence (:class:`ql3.adapters.standalone.steps.StandaloneCoordinator`: due retries,
       trigger schedule, workflow frontier, task attempt admission, the dispatch gate step) runs
       on the resident cadence, when a due time the store names is reached, and after wake-ups
       and finished tasks (a workflow's next step), but at most once per ``MIN_CYCLE_GAP_S``:
@@ -65,11 +66,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from adapters.execution import TaskMapping
-from adapters.standalone.pool import Execution, InProcessPool, Outcome, describe_error
-from application.scheduler import Coordinator, CycleSummary
-from application.startup import StartupRecovery, StartupReport
-from application.worker_commands import (
+from ql3.adapters.execution import TaskMapping
+from ql3.adapters.standalone.pool import Execution, InProcessPool, Outcome, describe_error
+from ql3.application.scheduler import Coordinator, CycleSummary
+from ql3.application.startup import StartupRecovery, StartupReport
+from ql3.application.worker_commands import (
     MAX_BATCH_ITEMS,
     MAX_CLAIM,
     Abandonment,
@@ -82,8 +83,8 @@ from application.worker_commands import (
     SessionGrant,
     WorkerCommands,
 )
-from domain.errors import DomainError, FenceReason
-from domain.retry import timed_out_error
+from ql3.domain.errors import DomainError, FenceReason
+from ql3.domain.retry import timed_out_error
 
 Emit = Callable[[str], None]
 

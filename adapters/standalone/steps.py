@@ -4,16 +4,16 @@ Neither profile runs the Cluster's continuous runtime recovery: the one process 
 work renews its own leases, so an Attempt it runs cannot expire under it unnoticed, and what a
 crashed process left behind is settled by startup recovery at the next boot. What remains for
 the cadence is starting the retries startup recovery scheduled once they are due, with the same
-resolution the Cluster's lost retry uses (:func:`application.lost_retry.start_due_retry`)."""
+resolution the Cluster's lost retry uses (:func:`ql3.application.lost_retry.start_due_retry`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from application.budgets import validate_page_size
-from application.lost_retry import start_due_retry
-from application.ports import Identities, LostRetryCandidateSource, UnitOfWorkFactory
-from application.scheduler import CycleSummary, SchedulerCoordinator, run_steps
+from ql3.application.budgets import validate_page_size
+from ql3.application.lost_retry import start_due_retry
+from ql3.application.ports import Identities, LostRetryCandidateSource, UnitOfWorkFactory
+from ql3.application.scheduler import CycleSummary, SchedulerCoordinator, run_steps
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,12 +11,12 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "IngressClient": "adapters.worker.client",
-    "IngressRefused": "adapters.worker.client",
-    "IngressUnavailable": "adapters.worker.client",
-    "Worker": "adapters.worker.runtime",
-    "WorkerFailed": "adapters.worker.settings",
-    "WorkerSettings": "adapters.worker.settings",
+    "IngressClient": "ql3.adapters.worker.client",
+    "IngressRefused": "ql3.adapters.worker.client",
+    "IngressUnavailable": "ql3.adapters.worker.client",
+    "Worker": "ql3.adapters.worker.runtime",
+    "WorkerFailed": "ql3.adapters.worker.settings",
+    "WorkerSettings": "ql3.adapters.worker.settings",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -16,9 +16,9 @@ import logging
 import time
 from collections.abc import Callable
 
-from adapters.worker.client import ClaimResult, IngressClient, IngressRefused
-from adapters.worker.ledger import ClaimPlan, Ledger, Mode
-from adapters.worker.settings import Timings
+from ql3.adapters.worker.client import ClaimResult, IngressClient, IngressRefused
+from ql3.adapters.worker.ledger import ClaimPlan, Ledger, Mode
+from ql3.adapters.worker.settings import Timings
 
 log = logging.getLogger("ql3.worker")
 

@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-from adapters.worker.ledger import Kill, Ledger
+from ql3.adapters.worker.ledger import Kill, Ledger
 
 log = logging.getLogger("ql3.worker")
 

@@ -44,7 +44,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from adapters.worker.client import (
+from ql3.adapters.worker.client import (
     MAX_BATCH_ITEMS,
     MAX_CLAIM,
     Abandonment,
@@ -56,8 +56,8 @@ from adapters.worker.client import (
     ItemAnswer,
     Release,
 )
-from adapters.worker.settings import WorkerFailed
-from adapters.worker.slot import Job, JobOutcome
+from ql3.adapters.worker.settings import WorkerFailed
+from ql3.adapters.worker.slot import Job, JobOutcome
 
 log = logging.getLogger("ql3.worker")
 

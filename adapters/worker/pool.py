@@ -11,15 +11,15 @@ import threading
 from collections.abc import Callable
 from typing import Protocol
 
-from adapters.worker.ledger import Ledger
-from adapters.worker.settings import WorkerFailed
-from adapters.worker.slot import Job, JobOutcome, SlotError, SlotProcess
+from ql3.adapters.worker.ledger import Ledger
+from ql3.adapters.worker.settings import WorkerFailed
+from ql3.adapters.worker.slot import Job, JobOutcome, SlotError, SlotProcess
 
 log = logging.getLogger("ql3.worker")
 
 
 class ChildProcess(Protocol):
-    """What a slot needs of its child (:class:`~adapters.worker.slot.SlotProcess`)."""
+    """What a slot needs of its child (:class:`~ql3.adapters.worker.slot.SlotProcess`)."""
 
     @property
     def pid(self) -> int | None: ...

@@ -24,9 +24,9 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
-from adapters.worker.client import IngressClient, IngressRefused
-from adapters.worker.ledger import Held, Kill, Ledger, Phase
-from adapters.worker.settings import Timings
+from ql3.adapters.worker.client import IngressClient, IngressRefused
+from ql3.adapters.worker.ledger import Held, Kill, Ledger, Phase
+from ql3.adapters.worker.settings import Timings
 
 log = logging.getLogger("ql3.worker")
 

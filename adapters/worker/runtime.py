@@ -35,13 +35,13 @@ import threading
 import time
 from collections.abc import Callable
 
-from adapters.worker.claimer import Claimer
-from adapters.worker.client import IngressClient, IngressRefused, IngressUnavailable
-from adapters.worker.fencing import Watchdog, kill_tasks
-from adapters.worker.ledger import Ledger, Mode
-from adapters.worker.pool import ChildFactory, SlotPool
-from adapters.worker.reporter import Reporter
-from adapters.worker.settings import MAX_CAPACITY, Timings, WorkerFailed, WorkerSettings
+from ql3.adapters.worker.claimer import Claimer
+from ql3.adapters.worker.client import IngressClient, IngressRefused, IngressUnavailable
+from ql3.adapters.worker.fencing import Watchdog, kill_tasks
+from ql3.adapters.worker.ledger import Ledger, Mode
+from ql3.adapters.worker.pool import ChildFactory, SlotPool
+from ql3.adapters.worker.reporter import Reporter
+from ql3.adapters.worker.settings import MAX_CAPACITY, Timings, WorkerFailed, WorkerSettings
 
 __all__ = ["MAX_CAPACITY", "Worker", "WorkerFailed", "WorkerSettings"]
 

@@ -88,7 +88,8 @@ class SlotProcess:
     def start(self) -> None:
         """Start the child and wait until it loaded the task mapping."""
         process = subprocess.Popen(
-            [sys.executable, "-m", "adapters.worker.slot_main", self._app_spec, str(os.getpid())],
+            [sys.executable, "-m", "ql3.adapters.worker.slot_main", self._app_spec,
+             str(os.getpid())],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env=_child_env(),

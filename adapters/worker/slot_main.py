@@ -1,4 +1,4 @@
-"""The child process of one execution slot: ``python -m adapters.worker.slot_main APP PID``.
+"""The child process of one execution slot: ``python -m ql3.adapters.worker.slot_main APP PID``.
 
 It loads the task mapping once, then runs one task at a time, reading a job per line on stdin
 and answering one line on its private copy of stdout; the task's own prints go to stderr. It
@@ -16,7 +16,7 @@ import signal
 import sys
 from typing import Any, TextIO
 
-from adapters.execution import AppLoadError, TaskContext, invoke_task, is_async_task, load_app
+from ql3.adapters.execution import AppLoadError, TaskContext, invoke_task, is_async_task, load_app
 
 PR_SET_PDEATHSIG = 1
 CANCEL_SIGNAL = signal.SIGUSR1

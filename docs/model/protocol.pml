@@ -36,7 +36,7 @@ byte crashes, losses, handbacks, step_failures, cancels, attests, errors;
 #define UNORDERED_GATE 0
 #endif
 
-/* ---------------------------------------------------------------- states (domain.model) */
+/* ---------------------------------------------------------------- states (ql3.domain.model) */
 
 /* RunStatus */
 #define R_CREATED 1
@@ -64,7 +64,7 @@ byte crashes, losses, handbacks, step_failures, cancels, attests, errors;
 #define S_ACTIVE 1
 #define S_REPLACED 2
 
-/* ---------------------------------------------------------------- edges (domain.states) */
+/* ---------------------------------------------------------------- edges (ql3.domain.states) */
 
 #define RUN_EDGE(f, t) ( \
     (f == R_CREATED && (t == R_QUEUED || t == R_CANCELLED)) || \

@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
-from application.admission import AdmissionRequest
-from application.scheduler import ClusterSchedulerCoordinator, SchedulerCoordinator
-from application.worker_commands import BatchOutcome, NoGrant
-from domain.model import RunStatus
+from ql3.application.admission import AdmissionRequest
+from ql3.application.scheduler import ClusterSchedulerCoordinator, SchedulerCoordinator
+from ql3.application.worker_commands import BatchOutcome, NoGrant
+from ql3.domain.model import RunStatus
 from tests.scheduling_support import Runtime, WorkerDriver, runtime
 
 

@@ -15,18 +15,18 @@ import psycopg
 import pytest
 from psycopg.rows import dict_row
 
-from adapters.postgres.store import PostgresStore
-from adapters.postgres.submit import PostgresSubmitStore, libpq_url
-from adapters.sql import submit_sql
-from adapters.sql.sqlite import SCHEMA_VERSION, SqliteStore
-from adapters.sql.sqlite.submit import SqliteSubmitStore
-from adapters.sql.sqlite.wake import WakeListener
-from adapters.sql.submit_sql_source import render
-from application.admission import AdmissionRequest, admit_requests
-from domain.errors import ConcurrencyConflict
-from domain.model import RunOwner
-from domain.policy import Backoff, RetryPolicy, Safety
-from domain.transitions import Change, admit
+from ql3.adapters.postgres.store import PostgresStore
+from ql3.adapters.postgres.submit import PostgresSubmitStore, libpq_url
+from ql3.adapters.sql import submit_sql
+from ql3.adapters.sql.sqlite import SCHEMA_VERSION, SqliteStore
+from ql3.adapters.sql.sqlite.submit import SqliteSubmitStore
+from ql3.adapters.sql.sqlite.wake import WakeListener
+from ql3.adapters.sql.submit_sql_source import render
+from ql3.application.admission import AdmissionRequest, admit_requests
+from ql3.domain.errors import ConcurrencyConflict
+from ql3.domain.model import RunOwner
+from ql3.domain.policy import Backoff, RetryPolicy, Safety
+from ql3.domain.transitions import Change, admit
 from tests.application.support import CountingIdentities
 
 NOW_MS = 1_790_000_000_123
@@ -41,7 +41,7 @@ TABLES = ("runs", "run_attempts", "run_dispatch_leases", "run_events")
 
 
 def test_the_generated_sql_is_what_the_stores_build_from_the_schema() -> None:
-    """Run ``python -m adapters.sql.submit_sql_source`` after changing the schema."""
+    """Run ``python -m ql3.adapters.sql.submit_sql_source`` after changing the schema."""
     assert Path(submit_sql.__file__).read_text() == render()
 
 

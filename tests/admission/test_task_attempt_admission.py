@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from application.admission import AdmissionRequest
-from application.identities import RandomIdentities
-from application.worker_commands import (
+from ql3.application.admission import AdmissionRequest
+from ql3.application.identities import RandomIdentities
+from ql3.application.worker_commands import (
     BatchOutcome,
     Completion,
     Grant,
@@ -24,10 +24,10 @@ from application.worker_commands import (
     Release,
     WorkerCommands,
 )
-from domain.events import EventType
-from domain.fence import LeaseFence
-from domain.model import AttemptStatus, LeaseStatus, ReleaseReason, RunStatus
-from domain.policy import Backoff, RetryPolicy, Safety
+from ql3.domain.events import EventType
+from ql3.domain.fence import LeaseFence
+from ql3.domain.model import AttemptStatus, LeaseStatus, ReleaseReason, RunStatus
+from ql3.domain.policy import Backoff, RetryPolicy, Safety
 from tests.scheduling_support import Runtime, WorkerDriver, runtime
 
 TTL_S = 30.0
@@ -147,9 +147,9 @@ def test_ties_between_tasks_rotate_with_the_clock(
 def _replica_store(store: Any, request: pytest.FixtureRequest) -> Any:
     """PostgreSQL: a store of its own (engine, pool) on the same database, as another node
     has. Stores whose transactions hold the whole database are shared by the threads."""
-    if not type(store).__module__.startswith("adapters.postgres."):
+    if not type(store).__module__.startswith("ql3.adapters.postgres."):
         return store
-    from adapters.postgres.store import PostgresStore
+    from ql3.adapters.postgres.store import PostgresStore
 
     replica = PostgresStore.from_url(request.getfixturevalue("pg_database_url"), pool_size=2)
     replica.testing_advance_clock(store.clock_offset_ms)

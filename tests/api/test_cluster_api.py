@@ -18,9 +18,9 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.orm import Session
 
 import ql3
-from application.identities import RandomIdentities
-from application.worker_commands import WorkerCommands
 from ql3 import RunStatus, UnknownTask, UnsupportedTransaction
+from ql3.application.identities import RandomIdentities
+from ql3.application.worker_commands import WorkerCommands
 from ql3.testing import InlineWorker
 from tests.api.tasks import TASKS, resize
 
@@ -200,9 +200,9 @@ def test_the_trigger_knows_the_domains_terminal_statuses() -> None:
     import importlib.util
     from pathlib import Path
 
-    from adapters.postgres.queries import FINISHED_CHANNEL
-    from domain.model import TERMINAL_RUN_STATUSES
-    from domain.states import values
+    from ql3.adapters.postgres.queries import FINISHED_CHANNEL
+    from ql3.domain.model import TERMINAL_RUN_STATUSES
+    from ql3.domain.states import values
 
     path = Path("adapters/postgres/migrations/versions/r0008_run_finished.py")
     spec = importlib.util.spec_from_file_location("r0008_run_finished", path)

@@ -7,8 +7,8 @@ from pathlib import Path
 from typing import Any
 
 import ql3
-from bootstrap import standalone
 from ql3 import InvalidTransition, RetryPolicy, Safety, Submission, UnknownTask
+from ql3.bootstrap import standalone
 from ql3.testing import InlineWorker, in_memory
 from tests.api.tasks import TASKS, resize
 

@@ -18,7 +18,7 @@ import uvicorn
 from fastapi import FastAPI
 
 import ql3
-from bootstrap.node import bind_socket
+from ql3.bootstrap.node import bind_socket
 from tests.api.tasks import TASKS
 
 pytestmark = pytest.mark.postgres
@@ -37,7 +37,7 @@ def embedded(pg_database_url: str) -> Iterator[ql3.ClusterRuntime]:
     runtime.start()
     serving.start()
     worker = subprocess.Popen(
-        [sys.executable, "-m", "adapters.cli.main", "worker", "--ingress",
+        [sys.executable, "-m", "ql3.adapters.cli.main", "worker", "--ingress",
          f"http://127.0.0.1:{port}/ql3", "--app", "tests.api.tasks:TASKS",
          "--worker-id", "embedded-1", "--concurrency", "2"],
         cwd=ROOT,

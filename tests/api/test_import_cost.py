@@ -15,23 +15,23 @@ SUBMIT_HEAVY = (
     *HEAVY,
     "sqlalchemy",
     "alembic",
-    "adapters.sql.schema",
-    "adapters.postgres.hot",
-    "adapters.postgres.store",
-    "adapters.sql.sqlite.store",
-    "adapters.cli.node_cmds",
-    "adapters.cli.standalone_cmds",
-    "adapters.cli.trigger_cmds",
-    "adapters.cli.credential_cmds",
-    "adapters.cli.ops_cmds",
-    "adapters.cli.task_cmds",
-    "adapters.worker",
-    "application.ports",
-    "application.worker_commands",
-    "application.queries",
-    "domain.credentials",
-    "domain.triggers",
-    "domain.workflows",
+    "ql3.adapters.sql.schema",
+    "ql3.adapters.postgres.hot",
+    "ql3.adapters.postgres.store",
+    "ql3.adapters.sql.sqlite.store",
+    "ql3.adapters.cli.node_cmds",
+    "ql3.adapters.cli.standalone_cmds",
+    "ql3.adapters.cli.trigger_cmds",
+    "ql3.adapters.cli.credential_cmds",
+    "ql3.adapters.cli.ops_cmds",
+    "ql3.adapters.cli.task_cmds",
+    "ql3.adapters.worker",
+    "ql3.application.ports",
+    "ql3.application.worker_commands",
+    "ql3.application.queries",
+    "ql3.domain.credentials",
+    "ql3.domain.triggers",
+    "ql3.domain.workflows",
     "croniter",
     "httpx",
     "prometheus_client",
@@ -55,7 +55,7 @@ def _loaded(body: str, heavy: tuple[str, ...] = HEAVY) -> list[str]:
 
 def _cli_submit(url: str) -> str:
     return (
-        "from adapters.cli.main import main\n"
+        "from ql3.adapters.cli.main import main\n"
         f"assert main(['submit', 'echo', '--input', '[1]', '--unique-key', 'k', '--json', "
         f"'--database-url', {url!r}]) == 0"
     )
@@ -69,7 +69,7 @@ def test_a_cli_submit_creating_a_sqlite_database_loads_none_of_them(tmp_path: Pa
 def test_a_cli_submit_into_a_sqlite_database_loads_no_sqlalchemy(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'cli.db'}"
     subprocess.run(
-        [sys.executable, "-m", "adapters.cli.main", "submit", "first", "--database-url", url],
+        [sys.executable, "-m", "ql3.adapters.cli.main", "submit", "first", "--database-url", url],
         check=True,
         capture_output=True,
         timeout=60,

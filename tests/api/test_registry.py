@@ -6,8 +6,6 @@ import math
 
 import pytest
 
-from adapters.execution import load_app
-from application.tasks import policy_template
 from ql3 import (
     Backoff,
     InvalidAdmission,
@@ -17,6 +15,8 @@ from ql3 import (
     TaskRegistry,
     UnknownTask,
 )
+from ql3.adapters.execution import load_app
+from ql3.application.tasks import policy_template
 from tests.api.tasks import TASKS, double_async, resize
 
 

@@ -11,8 +11,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from application.tasks import TaskRegistry
 from ql3 import InvalidAdmission, InvalidRetryPolicy, RetryPolicy, RunStatus, Safety
+from ql3.application.tasks import TaskRegistry
 from ql3.testing import InMemoryRuntime, in_memory
 
 tasks = TaskRegistry()

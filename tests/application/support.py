@@ -1,5 +1,5 @@
 """Shared helpers for the application and rule tests: the services wired directly over a
-``MemoryStore`` (the same graph ``bootstrap.cluster`` declares), deterministic identities, a
+``MemoryStore`` (the same graph ``ql3.bootstrap.cluster`` declares), deterministic identities, a
 worker driver (claims, and every fenced command as a batch of one) and a full, port-level
 picture of the store used for before/after comparisons."""
 
@@ -9,19 +9,19 @@ import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from adapters.memory import FakeClock, MemoryStore
-from application.admission import Admission
-from application.dispatch import DispatchGateStep
-from application.lost_retry import LostRetry
-from application.recovery import RuntimeRecovery
-from application.scheduler import (
+from ql3.adapters.memory import FakeClock, MemoryStore
+from ql3.application.admission import Admission
+from ql3.application.dispatch import DispatchGateStep
+from ql3.application.lost_retry import LostRetry
+from ql3.application.recovery import RuntimeRecovery
+from ql3.application.scheduler import (
     ClusterSchedulerCoordinator,
     NoTriggerSchedule,
     NoWorkflowFrontier,
     SchedulerCoordinator,
 )
-from application.startup import StartupRecovery
-from application.worker_commands import (
+from ql3.application.startup import StartupRecovery
+from ql3.application.worker_commands import (
     Abandonment,
     BatchAnswer,
     ClaimAnswer,
@@ -32,8 +32,8 @@ from application.worker_commands import (
     SessionGrant,
     WorkerCommands,
 )
-from domain.fence import LeaseFence
-from domain.model import Attempt, DispatchLease, JsonValue, Run, StopReport, WorkerSession
+from ql3.domain.fence import LeaseFence
+from ql3.domain.model import Attempt, DispatchLease, JsonValue, Run, StopReport, WorkerSession
 
 LEASE_TTL_MS = 30_000
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from attrs import evolve
 
-from application.admission import AdmissionRequest, UnknownRun
-from application.budgets import InvalidPageSize, validate_page_size
-from application.worker_commands import (
+from ql3.application.admission import AdmissionRequest, UnknownRun
+from ql3.application.budgets import InvalidPageSize, validate_page_size
+from ql3.application.worker_commands import (
     BatchOutcome,
     ItemResult,
     NoGrant,
@@ -17,15 +17,15 @@ from application.worker_commands import (
     UnknownAttempt,
     UnknownSession,
 )
-from domain.errors import (
+from ql3.domain.errors import (
     FenceReason,
     InvalidAdmission,
     InvalidRetryPolicy,
     InvalidTransition,
     SessionRejected,
 )
-from domain.fence import LeaseFence, hash_token
-from domain.model import (
+from ql3.domain.fence import LeaseFence, hash_token
+from ql3.domain.model import (
     AttemptStatus,
     EvidenceKind,
     LeaseStatus,
@@ -33,7 +33,7 @@ from domain.model import (
     RunStatus,
     SessionStatus,
 )
-from domain.policy import RetryPolicy, Safety
+from ql3.domain.policy import RetryPolicy, Safety
 from tests.application.support import (
     LEASE_TTL_MS,
     Services,

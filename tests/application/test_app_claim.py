@@ -11,19 +11,19 @@ from typing import Any
 import pytest
 from attrs import evolve
 
-from adapters.memory import MemoryStore
-from application.admission import AdmissionRequest
-from application.dispatch import DispatchGateStep
-from application.ports import DispatchGate
-from application.scheduler import ClusterSchedulerCoordinator, SchedulerCoordinator
-from application.worker_commands import (
+from ql3.adapters.memory import MemoryStore
+from ql3.application.admission import AdmissionRequest
+from ql3.application.dispatch import DispatchGateStep
+from ql3.application.ports import DispatchGate
+from ql3.application.scheduler import ClusterSchedulerCoordinator, SchedulerCoordinator
+from ql3.application.worker_commands import (
     BatchOutcome,
     Completion,
     NoGrant,
     Rejection,
     WorkerCommands,
 )
-from domain.model import AttemptStatus, LeaseStatus, ReleaseReason, RunStatus
+from ql3.domain.model import AttemptStatus, LeaseStatus, ReleaseReason, RunStatus
 from tests.application.support import (
     LEASE_TTL_MS,
     Services,

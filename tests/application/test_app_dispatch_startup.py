@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from collections import Counter
 
-from application.admission import AdmissionRequest
-from application.worker_commands import NoGrant
-from domain.model import AttemptStatus, LeaseStatus, RunOwner, RunStatus
-from domain.policy import Backoff, RetryPolicy, Safety
-from domain.transitions import admit
+from ql3.application.admission import AdmissionRequest
+from ql3.application.worker_commands import NoGrant
+from ql3.domain.model import AttemptStatus, LeaseStatus, RunOwner, RunStatus
+from ql3.domain.policy import Backoff, RetryPolicy, Safety
+from ql3.domain.transitions import admit
 from tests.application.support import (
     LEASE_TTL_MS,
     Services,

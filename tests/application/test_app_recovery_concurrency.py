@@ -10,10 +10,10 @@ from types import TracebackType
 
 import pytest
 
-from application.diagnosis import CandidateFailed
-from application.ports import Page, RecoveryCandidate
-from application.recovery import MAX_CONCURRENCY, RuntimeRecovery
-from domain.model import AttemptStatus
+from ql3.application.diagnosis import CandidateFailed
+from ql3.application.ports import Page, RecoveryCandidate
+from ql3.application.recovery import MAX_CONCURRENCY, RuntimeRecovery
+from ql3.domain.model import AttemptStatus
 
 
 def candidates(n: int) -> Page[RecoveryCandidate]:

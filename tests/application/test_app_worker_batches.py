@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from application.worker_commands import (
+from ql3.application.worker_commands import (
     MAX_BATCH_ITEMS,
     MAX_CLAIM,
     Abandonment,
@@ -18,9 +18,9 @@ from application.worker_commands import (
     SessionUnauthorized,
     UnknownSession,
 )
-from domain.errors import InvalidAdmission, SessionRejected
-from domain.fence import LeaseFence
-from domain.model import AttemptStatus, LeaseStatus, ReleaseReason, RunStatus, SessionStatus
+from ql3.domain.errors import InvalidAdmission, SessionRejected
+from ql3.domain.fence import LeaseFence
+from ql3.domain.model import AttemptStatus, LeaseStatus, ReleaseReason, RunStatus, SessionStatus
 from tests.application.support import (
     LEASE_TTL_MS,
     Services,

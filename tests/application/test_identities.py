@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 import uuid
 
-from application.identities import RandomIdentities
+from ql3.application.identities import RandomIdentities
 
 
 def test_ids_are_uuid7_hex_and_increase_in_the_order_they_were_made() -> None:

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from adapters.cli.demo import postgres_url
-from adapters.cli.main import main
+from ql3.adapters.cli.demo import postgres_url
+from ql3.adapters.cli.main import main
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -22,7 +22,7 @@ def _demo(database_url: str | None) -> str:
     if database_url is not None:
         env["QL3_DATABASE_URL"] = database_url
     done = subprocess.run(
-        [sys.executable, "-m", "adapters.cli.main", "demo"],
+        [sys.executable, "-m", "ql3.adapters.cli.main", "demo"],
         capture_output=True,
         text=True,
         timeout=120,
@@ -87,7 +87,7 @@ def test_only_a_postgresql_url_selects_the_cluster_story() -> None:
         (["submit", "t", "--database-url", "sqlite:///"], "database file"),
         (["standalone"], "--app"),
         (["standalone", "--app", "no_such_module_anywhere:TASKS"], "no_such_module_anywhere"),
-        (["standalone", "--app", "adapters.cli.demo_tasks"], "MODULE:ATTR"),
+        (["standalone", "--app", "ql3.adapters.cli.demo_tasks"], "MODULE:ATTR"),
         (["no-such-command"], "No such command"),
     ],
 )

@@ -9,8 +9,8 @@ import sys
 import click
 import pytest
 
-from adapters.cli.lazy import LazyGroup
-from adapters.cli.main import cli, main
+from ql3.adapters.cli.lazy import LazyGroup
+from ql3.adapters.cli.main import cli, main
 
 LAZY_GROUPS = {
     "": {
@@ -54,7 +54,7 @@ def test_every_command_of_a_group_is_listed_and_loads_under_its_name(path: str) 
 def test_a_lazy_command_answers_help_in_a_fresh_process(path: str, name: str) -> None:
     argv = [*([path] if path else []), name, "--help"]
     done = subprocess.run(
-        [sys.executable, "-m", "adapters.cli.main", *argv],
+        [sys.executable, "-m", "ql3.adapters.cli.main", *argv],
         capture_output=True,
         text=True,
         timeout=60,
@@ -71,6 +71,6 @@ def test_the_top_level_help_lists_the_lazy_commands(capsys: pytest.CaptureFixtur
 
 
 def test_a_spec_that_names_another_command_is_refused() -> None:
-    group = LazyGroup(name="g", lazy={"submit-twice": "adapters.cli.main:submit"})
+    group = LazyGroup(name="g", lazy={"submit-twice": "ql3.adapters.cli.main:submit"})
     with pytest.raises(RuntimeError, match="is not the command 'submit-twice'"):
         group.get_command(click.Context(group), "submit-twice")

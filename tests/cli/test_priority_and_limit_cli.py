@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from adapters.cli.main import main
+from ql3.adapters.cli.main import main
 
 URLS = ["postgres", "sqlite"]
 
@@ -18,12 +18,12 @@ URLS = ["postgres", "sqlite"]
 def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     if request.param == "sqlite":
         path = tmp_path / "cli.sqlite"
-        from adapters.sql.sqlite import SqliteStore
+        from ql3.adapters.sql.sqlite import SqliteStore
 
         SqliteStore(path).close()
         return f"sqlite:///{path}"
     found: str = request.getfixturevalue("pg_database_url")
-    from adapters.postgres.store import PostgresStore
+    from ql3.adapters.postgres.store import PostgresStore
 
     store = PostgresStore.from_url(found)
     store.testing_reset()
@@ -44,7 +44,7 @@ def _json(capsys: pytest.CaptureFixture[str], url: str, *argv: str) -> Any:
 
 
 def _priorities(url: str) -> dict[str, int]:
-    from bootstrap import producer
+    from ql3.bootstrap import producer
 
     if url.startswith("sqlite:///"):
         store = producer.open_sqlite_store(url[len("sqlite:///") :])

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from sqlalchemy import text
 
-from adapters.cli.main import main
+from ql3.adapters.cli.main import main
 from tests.contract.builders import committed, finish, given_queued, given_session, given_started
 
 DAY_MS = 86_400_000
@@ -30,14 +30,14 @@ def database(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[s
     one finished just now and one queued."""
     store: Any
     if request.param == "sqlite":
-        from adapters.sql.sqlite import SqliteStore
+        from ql3.adapters.sql.sqlite import SqliteStore
 
         path = tmp_path / "ql3.sqlite"
         store = SqliteStore(path)
         url = f"sqlite:///{path}"
         age = "updated_at - :age"
     else:
-        from adapters.postgres.store import PostgresStore
+        from ql3.adapters.postgres.store import PostgresStore
 
         url = request.getfixturevalue("pg_database_url")
         store = PostgresStore.from_url(url)

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from adapters.cli.main import main
+from ql3.adapters.cli.main import main
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
@@ -17,7 +17,7 @@ def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     if request.param == "sqlite":
         return f"sqlite:///{tmp_path / 'ql3.sqlite'}"
     database_url: str = request.getfixturevalue("pg_database_url")
-    from adapters.postgres.migrate import upgrade
+    from ql3.adapters.postgres.migrate import upgrade
 
     upgrade(database_url)
     return database_url

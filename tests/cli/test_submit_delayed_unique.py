@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from adapters.cli.main import main
+from ql3.adapters.cli.main import main
 
 
 def _ql3(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -35,7 +35,7 @@ def _ids(capsys: pytest.CaptureFixture[str], url: str) -> list[str]:
 def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     if request.param == "sqlite":
         return f"sqlite:///{tmp_path / 'ql3.sqlite'}"
-    from adapters.postgres.store import PostgresStore
+    from ql3.adapters.postgres.store import PostgresStore
 
     database_url = str(request.getfixturevalue("pg_database_url"))
     store = PostgresStore.from_url(database_url, pool_size=1)

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from adapters.cli.main import main
+from ql3.adapters.cli.main import main
 
 
 def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:

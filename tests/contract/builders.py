@@ -1,6 +1,6 @@
 """Build store states through the real domain transitions, the way the application does: lock,
 decide with a pure transition at the store's clock, apply as compare-and-set. A running Attempt
-is made by :func:`domain.transitions.claim` (ADR 0007); the rows the offer protocol of ADR 0005
+is made by :func:`ql3.domain.transitions.claim` (ADR 0007); the rows the offer protocol of ADR 0005
 left behind (offered, accepted, activated) are built as such rows, since no transition makes
 them any more and the stores must still recover, complete and hand them back.
 
@@ -18,11 +18,11 @@ from typing import Any
 import pytest
 from attrs import evolve
 
-from application.ports import Snapshot, UnitOfWork
-from domain.errors import ConcurrencyConflict
-from domain.events import EventType, RunEvent
-from domain.fence import LeaseFence, hash_token
-from domain.model import (
+from ql3.application.ports import Snapshot, UnitOfWork
+from ql3.domain.errors import ConcurrencyConflict
+from ql3.domain.events import EventType, RunEvent
+from ql3.domain.fence import LeaseFence, hash_token
+from ql3.domain.model import (
     AttemptStatus,
     DispatchLease,
     EvidenceKind,
@@ -34,10 +34,10 @@ from domain.model import (
     StopReport,
     WorkerSession,
 )
-from domain.policy import Backoff, RetryPolicy, Safety
-from domain.retry import settle_lost_run, start_next_attempt
-from domain.sessions import close, drain, register_session
-from domain.transitions import (
+from ql3.domain.policy import Backoff, RetryPolicy, Safety
+from ql3.domain.retry import settle_lost_run, start_next_attempt
+from ql3.domain.sessions import close, drain, register_session
+from ql3.domain.transitions import (
     Change,
     admit,
     claim,

@@ -1,10 +1,11 @@
 """Fixtures of the port contract suite: every test runs once per store.
 
 ``store``
-    A fresh, empty store implementing :class:`application.ports.RuntimeStore`, parametrised as
-    ``memory`` (:class:`adapters.memory.MemoryStore` on a :class:`adapters.memory.FakeClock`) and
-    ``postgres`` (``adapters.postgres.store.PostgresStore`` on the module's database, reset before
-    each test) and ``sqlite`` (``adapters.sql.sqlite.SqliteStore`` on a fresh database file). The
+    A fresh, empty store implementing :class:`ql3.application.ports.RuntimeStore`, parametrised as
+    ``memory`` (:class:`ql3.adapters.memory.MemoryStore` on a
+    :class:`ql3.adapters.memory.FakeClock`) and ``postgres``
+    (``ql3.adapters.postgres.store.PostgresStore`` on the module's database, reset before each
+    test) and ``sqlite`` (``ql3.adapters.sql.sqlite.SqliteStore`` on a fresh database file). The
     ``postgres`` case is skipped only while that module does not exist.
 ``advance``
     ``advance(ms)`` moves the store's clock forward by ``ms`` milliseconds.
@@ -18,17 +19,17 @@ from typing import Any
 
 import pytest
 
-from adapters.memory import FakeClock, MemoryStore
+from ql3.adapters.memory import FakeClock, MemoryStore
 
-POSTGRES_STORE_MODULE = "adapters.postgres.store"
+POSTGRES_STORE_MODULE = "ql3.adapters.postgres.store"
 
 
 def _postgres_store_built() -> bool:
     try:
         return importlib.util.find_spec(POSTGRES_STORE_MODULE) is not None
     except ModuleNotFoundError as error:
-        # A missing adapters.postgres package means "not built yet"; anything else is a bug.
-        if error.name in {"adapters.postgres", POSTGRES_STORE_MODULE}:
+        # A missing ql3.adapters.postgres package means "not built yet"; anything else is a bug.
+        if error.name in {"ql3.adapters.postgres", POSTGRES_STORE_MODULE}:
             return False
         raise
 
@@ -68,7 +69,7 @@ def open_store(kind: str, request: pytest.FixtureRequest) -> Iterator[Any]:
             memory.close()
         return
     if kind == "sqlite":
-        from adapters.sql.sqlite import SqliteStore
+        from ql3.adapters.sql.sqlite import SqliteStore
 
         tmp_path = request.getfixturevalue("tmp_path")
         sqlite = SqliteStore(tmp_path / "contract.sqlite")
@@ -78,7 +79,7 @@ def open_store(kind: str, request: pytest.FixtureRequest) -> Iterator[Any]:
             sqlite.close()
         return
     url: str = request.getfixturevalue("pg_database_url")
-    from adapters.postgres.store import PostgresStore
+    from ql3.adapters.postgres.store import PostgresStore
 
     # The migrations run on the first store of each database; the later ones find them done.
     postgres = PostgresStore.from_url(url, create_schema=url not in _MIGRATED)

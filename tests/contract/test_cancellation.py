@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from application.admission import Admission, UnknownRun
-from application.identities import RandomIdentities
-from application.worker_commands import (
+from ql3.application.admission import Admission, UnknownRun
+from ql3.application.identities import RandomIdentities
+from ql3.application.worker_commands import (
     Abandonment,
     BatchOutcome,
     Completion,
@@ -20,9 +20,9 @@ from application.worker_commands import (
     Release,
     WorkerCommands,
 )
-from domain.errors import FenceReason, InvalidAdmission, InvalidTransition
-from domain.fence import LeaseFence
-from domain.model import AttemptStatus, LeaseStatus, ReleaseReason, RunStatus
+from ql3.domain.errors import FenceReason, InvalidAdmission, InvalidTransition
+from ql3.domain.fence import LeaseFence
+from ql3.domain.model import AttemptStatus, LeaseStatus, ReleaseReason, RunStatus
 from tests.contract.builders import (
     TTL_MS,
     committed,

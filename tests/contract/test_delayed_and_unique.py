@@ -11,12 +11,12 @@ from typing import Any
 
 import pytest
 
-from application.admission import Admission, AdmissionRequest
-from application.identities import RandomIdentities
-from application.lost_retry import LostRetry
-from domain.errors import InvalidAdmission
-from domain.events import EventType
-from domain.model import AttemptStatus, RunStatus
+from ql3.application.admission import Admission, AdmissionRequest
+from ql3.application.identities import RandomIdentities
+from ql3.application.lost_retry import LostRetry
+from ql3.domain.errors import InvalidAdmission
+from ql3.domain.events import EventType
+from ql3.domain.model import AttemptStatus, RunStatus
 from tests.contract.builders import (
     TASK,
     claim_attempt,
@@ -236,8 +236,8 @@ def test_keys_of_one_batch_map_to_one_run_each(store: Any) -> None:
 
 def test_the_store_refuses_a_second_unfinished_run_with_a_held_key(store: Any) -> None:
     """The partial unique index (and the memory store's check of it), under admission's read."""
-    from domain.errors import ConcurrencyConflict
-    from domain.transitions import admit
+    from ql3.domain.errors import ConcurrencyConflict
+    from ql3.domain.transitions import admit
 
     held = _keyed(store, "k")
     with store.unit_of_work() as uow:

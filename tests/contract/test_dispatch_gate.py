@@ -8,10 +8,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from application.admission import AdmissionRequest
-from application.ports import DispatchGate
-from application.scheduler import ClusterSchedulerCoordinator, SchedulerCoordinator
-from application.worker_commands import NoGrant
+from ql3.application.admission import AdmissionRequest
+from ql3.application.ports import DispatchGate
+from ql3.application.scheduler import ClusterSchedulerCoordinator, SchedulerCoordinator
+from ql3.application.worker_commands import NoGrant
 from tests.contract.builders import committed
 from tests.scheduling_support import Runtime, WorkerDriver, runtime
 

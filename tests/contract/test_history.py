@@ -10,17 +10,17 @@ from typing import Any
 
 import pytest
 
-from application.history import (
+from ql3.application.history import (
     HistoryPruning,
     InvalidBatchSize,
     InvalidDuration,
     PruneReport,
 )
-from application.ports import DispatchGate, PrunedRows, StepFailure
-from application.triggers import TriggerDefinition
-from domain.model import EvidenceKind, RunStatus
-from domain.transitions import cancel
-from domain.workflows import StepStatus
+from ql3.application.ports import DispatchGate, PrunedRows, StepFailure
+from ql3.application.triggers import TriggerDefinition
+from ql3.domain.model import EvidenceKind, RunStatus
+from ql3.domain.transitions import cancel
+from ql3.domain.workflows import StepStatus
 from tests.contract.builders import (
     TTL_MS,
     attempt_id_of,

@@ -6,9 +6,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from application.admission import AdmissionRequest
-from application.task_limits import TaskLimits
-from application.worker_commands import NoGrant
+from ql3.application.admission import AdmissionRequest
+from ql3.application.task_limits import TaskLimits
+from ql3.application.worker_commands import NoGrant
 from tests.contract.builders import committed
 from tests.scheduling_support import Runtime, WorkerDriver, runtime
 

@@ -9,15 +9,15 @@ from typing import Any
 
 import pytest
 
-from application.admission import UnknownRun
-from application.diagnosis import FailingCandidate
-from application.dispatch import DispatchGateStep
-from application.operations import NODE_SILENT_AFTER_MS, Quarantines, diagnose
-from application.ports import HARD_PAGE_CAP, NodeCycle
-from application.scheduler import CycleSummary, NodeHeartbeat
-from domain.errors import InvalidAdmission, InvalidTransition
-from domain.events import EventType
-from domain.model import EvidenceKind, RunStatus
+from ql3.application.admission import UnknownRun
+from ql3.application.diagnosis import FailingCandidate
+from ql3.application.dispatch import DispatchGateStep
+from ql3.application.operations import NODE_SILENT_AFTER_MS, Quarantines, diagnose
+from ql3.application.ports import HARD_PAGE_CAP, NodeCycle
+from ql3.application.scheduler import CycleSummary, NodeHeartbeat
+from ql3.domain.errors import InvalidAdmission, InvalidTransition
+from ql3.domain.events import EventType
+from ql3.domain.model import EvidenceKind, RunStatus
 from tests.contract.builders import (
     OTHER_TASK,
     RETRY_DELAY_MS,

@@ -11,18 +11,18 @@ from typing import Any
 
 import pytest
 
-from application.admission import Admission, AdmissionRequest
-from application.lost_retry import LostRetry
-from application.worker_commands import (
+from ql3.application.admission import Admission, AdmissionRequest
+from ql3.application.lost_retry import LostRetry
+from ql3.application.worker_commands import (
     BatchOutcome,
     Completion,
     Grant,
     SessionGrant,
     WorkerCommands,
 )
-from domain.events import EventType
-from domain.model import AttemptStatus, LeaseStatus, ReleaseReason, RunStatus
-from domain.policy import Backoff, RetryPolicy, Safety
+from ql3.domain.events import EventType
+from ql3.domain.model import AttemptStatus, LeaseStatus, ReleaseReason, RunStatus
+from ql3.domain.policy import Backoff, RetryPolicy, Safety
 from tests.application.support import CountingIdentities
 from tests.contract.conftest import advance_time
 

@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 from attrs import evolve
 
-from application.ports import Snapshot
-from domain.events import EventType, RunEvent
-from domain.fence import hash_token
-from domain.model import (
+from ql3.application.ports import Snapshot
+from ql3.domain.events import EventType, RunEvent
+from ql3.domain.fence import hash_token
+from ql3.domain.model import (
     Attempt,
     AttemptStatus,
     DispatchLease,
@@ -22,8 +22,8 @@ from domain.model import (
     RunOwner,
     RunStatus,
 )
-from domain.retry import settle_lost_run
-from domain.transitions import Change, admit, claim, complete, release
+from ql3.domain.retry import settle_lost_run
+from ql3.domain.transitions import Change, admit, claim, complete, release
 from tests.contract.builders import (
     RETRY_SAFELY,
     TTL_MS,

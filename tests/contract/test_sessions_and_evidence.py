@@ -7,8 +7,8 @@ from typing import Any
 
 from attrs import evolve
 
-from domain.model import EvidenceKind, SessionStatus, StopReport
-from domain.sessions import heartbeat
+from ql3.domain.model import EvidenceKind, SessionStatus, StopReport
+from ql3.domain.sessions import heartbeat
 from tests.contract.builders import (
     SECRET_HASH,
     TASK,

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from attrs import evolve
 
-from application.ports import (
+from ql3.application.ports import (
     HARD_PAGE_CAP,
     OPEN_GATE,
     ClaimLock,
@@ -19,8 +19,8 @@ from application.ports import (
     SessionCapacity,
     Snapshot,
 )
-from domain.events import EventType, RunEvent
-from domain.model import (
+from ql3.domain.events import EventType, RunEvent
+from ql3.domain.model import (
     AttemptStatus,
     EvidenceKind,
     LeaseStatus,
@@ -28,7 +28,7 @@ from domain.model import (
     RunOwner,
     RunStatus,
 )
-from domain.transitions import Change, cancel
+from ql3.domain.transitions import Change, cancel
 from tests.contract.builders import (
     OTHER_TASK,
     RETRY_DELAY_MS,

@@ -8,12 +8,12 @@ from typing import Any
 
 import pytest
 
-from application.ports import DispatchGate
-from domain.errors import ConcurrencyConflict, DomainError
-from domain.events import EventType
-from domain.fence import hash_token
-from domain.model import AttemptStatus, RunStatus
-from domain.transitions import claim
+from ql3.application.ports import DispatchGate
+from ql3.domain.errors import ConcurrencyConflict, DomainError
+from ql3.domain.events import EventType
+from ql3.domain.fence import hash_token
+from ql3.domain.model import AttemptStatus, RunStatus
+from ql3.domain.transitions import claim
 from tests.contract.builders import (
     TASK,
     admit_run,

@@ -9,19 +9,19 @@ from typing import Any
 
 import pytest
 
-from application.admission import Admission, AdmissionRequest
-from application.credentials import SECRET_PREFIX, CredentialCommands
-from application.recovery import RuntimeRecovery
-from application.worker_commands import NoGrant, WorkerCommands
-from domain.credentials import (
+from ql3.application.admission import Admission, AdmissionRequest
+from ql3.application.credentials import SECRET_PREFIX, CredentialCommands
+from ql3.application.recovery import RuntimeRecovery
+from ql3.application.worker_commands import NoGrant, WorkerCommands
+from ql3.domain.credentials import (
     CredentialEventType,
     CredentialRefusal,
     CredentialRejected,
     UnknownCredential,
 )
-from domain.errors import ConcurrencyConflict, InvalidTransition, SessionRejected
-from domain.fence import hash_token
-from domain.model import AttemptStatus, CredentialStatus, EvidenceKind, SessionStatus
+from ql3.domain.errors import ConcurrencyConflict, InvalidTransition, SessionRejected
+from ql3.domain.fence import hash_token
+from ql3.domain.model import AttemptStatus, CredentialStatus, EvidenceKind, SessionStatus
 from tests.application.support import CountingIdentities, current_attempt
 from tests.contract.conftest import advance_time
 

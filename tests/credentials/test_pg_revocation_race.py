@@ -9,12 +9,12 @@ from collections.abc import Iterator
 
 import pytest
 
-from adapters.postgres.store import PostgresStore
-from application.credentials import CredentialCommands, Revocation
-from application.worker_commands import open_session
-from domain.credentials import credential_used
-from domain.fence import hash_token
-from domain.model import SessionStatus
+from ql3.adapters.postgres.store import PostgresStore
+from ql3.application.credentials import CredentialCommands, Revocation
+from ql3.application.worker_commands import open_session
+from ql3.domain.credentials import credential_used
+from ql3.domain.fence import hash_token
+from ql3.domain.model import SessionStatus
 from tests.application.support import CountingIdentities
 
 pytestmark = pytest.mark.postgres

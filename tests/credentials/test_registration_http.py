@@ -10,12 +10,12 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from adapters.cli.secure import is_loopback
-from adapters.http import create_app
-from adapters.http.auth import RegistrationAuth
-from adapters.memory import FakeClock, MemoryStore
-from application.credentials import CredentialCommands
-from application.worker_commands import WorkerCommands
+from ql3.adapters.cli.secure import is_loopback
+from ql3.adapters.http import create_app
+from ql3.adapters.http.auth import RegistrationAuth
+from ql3.adapters.memory import FakeClock, MemoryStore
+from ql3.application.credentials import CredentialCommands
+from ql3.application.worker_commands import WorkerCommands
 from tests.application.support import CountingIdentities
 
 

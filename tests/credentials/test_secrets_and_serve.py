@@ -11,10 +11,10 @@ import pytest
 from sqlalchemy import event, text
 from sqlalchemy.engine import make_url
 
-from adapters.cli.main import main
-from adapters.cli.secure import node_settings, warn_if_anonymous
-from adapters.postgres.engine import pooled_engine, refresh_on_connect
-from adapters.secrets import FileSecret, SecretUnavailable, from_environment, secret_source
+from ql3.adapters.cli.main import main
+from ql3.adapters.cli.secure import node_settings, warn_if_anonymous
+from ql3.adapters.postgres.engine import pooled_engine, refresh_on_connect
+from ql3.adapters.secrets import FileSecret, SecretUnavailable, from_environment, secret_source
 
 
 def _write(path: Path, content: str, tick: int) -> None:

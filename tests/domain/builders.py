@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from attrs import evolve
 
-from domain.fence import LeaseFence, hash_token
-from domain.model import (
+from ql3.domain.fence import LeaseFence, hash_token
+from ql3.domain.model import (
     Attempt,
     AttemptStatus,
     DispatchLease,
@@ -17,8 +17,8 @@ from domain.model import (
     SessionStatus,
     WorkerSession,
 )
-from domain.policy import RetryPolicy
-from domain.transitions import admit, claim
+from ql3.domain.policy import RetryPolicy
+from ql3.domain.transitions import admit, claim
 
 NOW = 1_000_000
 TTL = 30_000

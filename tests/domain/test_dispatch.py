@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from application.tasks import TaskRegistry
-from domain.dispatch import MAX_TASK_LIMIT, InvalidTaskLimit, fair_pick, free_slots, task_limit
-from domain.errors import DomainError
+from ql3.application.tasks import TaskRegistry
+from ql3.domain.dispatch import MAX_TASK_LIMIT, InvalidTaskLimit, fair_pick, free_slots, task_limit
+from ql3.domain.errors import DomainError
 
 
 @dataclass(frozen=True)

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from domain.errors import InvalidAdmission, NotDue
-from domain.events import EventType
-from domain.model import MAX_UNIQUE_KEY_LENGTH, RunOwner, RunStatus
-from domain.retry import is_due_retry, start_next_attempt
-from domain.transitions import admit, cancel, check_unique_key, due_time
+from ql3.domain.errors import InvalidAdmission, NotDue
+from ql3.domain.events import EventType
+from ql3.domain.model import MAX_UNIQUE_KEY_LENGTH, RunOwner, RunStatus
+from ql3.domain.retry import is_due_retry, start_next_attempt
+from ql3.domain.transitions import admit, cancel, check_unique_key, due_time
 
 NOW = 1_000_000
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from domain.errors import InvalidAdmission, InvalidRetryPolicy
-from domain.model import MAX_PRIORITY, MAX_UNIQUE_KEY_LENGTH, MIN_PRIORITY, RunStatus
-from domain.policy import RetryPolicy, Safety, policy_from_document, policy_to_document
-from domain.transitions import admit
+from ql3.domain.errors import InvalidAdmission, InvalidRetryPolicy
+from ql3.domain.model import MAX_PRIORITY, MAX_UNIQUE_KEY_LENGTH, MIN_PRIORITY, RunStatus
+from ql3.domain.policy import RetryPolicy, Safety, policy_from_document, policy_to_document
+from ql3.domain.transitions import admit
 
 
 def _admit(**options: object) -> object:

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 from attrs import evolve
 
-from domain.errors import InvalidAdmission, InvalidTransition, NotDue
-from domain.events import EventType
-from domain.model import (
+from ql3.domain.errors import InvalidAdmission, InvalidTransition, NotDue
+from ql3.domain.events import EventType
+from ql3.domain.model import (
     AttemptStatus,
     EvidenceKind,
     LeaseStatus,
@@ -19,22 +19,22 @@ from domain.model import (
     SessionStatus,
     StopReport,
 )
-from domain.policy import Backoff, RetryPolicy, Safety
-from domain.recovery import (
+from ql3.domain.policy import Backoff, RetryPolicy, Safety
+from ql3.domain.recovery import (
     RecoveryHold,
     find_not_running_evidence,
     is_recovery_candidate,
     resolve_recovery,
 )
-from domain.retry import (
+from ql3.domain.retry import (
     FailureReason,
     RetryCause,
     decide_retry,
     settle_lost_run,
     start_next_attempt,
 )
-from domain.sessions import close, drain, heartbeat, register_session
-from domain.transitions import mark_lost
+from ql3.domain.sessions import close, drain, heartbeat, register_session
+from ql3.domain.transitions import mark_lost
 from tests.domain.builders import (
     NOW,
     TTL,

@@ -8,13 +8,13 @@ from __future__ import annotations
 import pytest
 from attrs import evolve
 
-from domain.errors import InvalidAdmission, InvalidRetryPolicy
-from domain.events import EventType
-from domain.model import AttemptStatus, LeaseStatus, ReleaseReason, RunStatus
-from domain.policy import Backoff, RetryPolicy, Safety, policy_from_document
-from domain.retry import start_next_attempt, timed_out_error
-from domain.states import RUN_EDGES
-from domain.transitions import claim, complete
+from ql3.domain.errors import InvalidAdmission, InvalidRetryPolicy
+from ql3.domain.events import EventType
+from ql3.domain.model import AttemptStatus, LeaseStatus, ReleaseReason, RunStatus
+from ql3.domain.policy import Backoff, RetryPolicy, Safety, policy_from_document
+from ql3.domain.retry import start_next_attempt, timed_out_error
+from ql3.domain.states import RUN_EDGES
+from ql3.domain.transitions import claim, complete
 from tests.domain.builders import NOW, TTL, running, session
 
 ON_ERROR = RetryPolicy(
@@ -148,8 +148,8 @@ def test_the_timeout_error_names_the_timeout() -> None:
 
 
 def test_a_timeout_is_bounded_at_admission() -> None:
-    from domain.model import MAX_TIMEOUT_MS
-    from domain.transitions import admit
+    from ql3.domain.model import MAX_TIMEOUT_MS
+    from ql3.domain.transitions import admit
 
     run = admit(run_id="r", attempt_id="a", task="t", input=None, policy=None, now_ms=1,
                 timeout_ms=MAX_TIMEOUT_MS).run

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from attrs import evolve
 
-from domain.errors import (
+from ql3.domain.errors import (
     FenceReason,
     FenceRejected,
     InvalidAdmission,
@@ -13,9 +13,9 @@ from domain.errors import (
     InvalidTransition,
     SessionRejected,
 )
-from domain.events import EventType
-from domain.fence import check_fence, check_holder, hash_token, secrets_match
-from domain.model import (
+from ql3.domain.events import EventType
+from ql3.domain.fence import check_fence, check_holder, hash_token, secrets_match
+from ql3.domain.model import (
     AttemptStatus,
     EvidenceKind,
     LeaseStatus,
@@ -24,8 +24,8 @@ from domain.model import (
     RunStatus,
     SessionStatus,
 )
-from domain.policy import Backoff, RetryPolicy, Safety
-from domain.transitions import (
+from ql3.domain.policy import Backoff, RetryPolicy, Safety
+from ql3.domain.transitions import (
     abandon,
     admit,
     cancel,

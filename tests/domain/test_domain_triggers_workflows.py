@@ -8,18 +8,18 @@ from attrs import evolve
 from hypothesis import given
 from hypothesis import strategies as st
 
-from domain.errors import (
+from ql3.domain.errors import (
     InvalidRetryPolicy,
     InvalidTransition,
     InvalidTrigger,
     InvalidWorkflow,
     NotDue,
 )
-from domain.events import EventType
-from domain.model import Run, RunOwner, RunStatus
-from domain.policy import Backoff, RetryPolicy, Safety, policy_from_document, policy_to_document
-from domain.transitions import admit
-from domain.triggers import (
+from ql3.domain.events import EventType
+from ql3.domain.model import Run, RunOwner, RunStatus
+from ql3.domain.policy import Backoff, RetryPolicy, Safety, policy_from_document, policy_to_document
+from ql3.domain.transitions import admit
+from ql3.domain.triggers import (
     MAX_COUNTED_MISSED,
     MISFIRE_GRACE_MS,
     CatchUp,
@@ -34,7 +34,7 @@ from domain.triggers import (
     plan_firings,
     resume_trigger,
 )
-from domain.workflows import (
+from ql3.domain.workflows import (
     StepSpec,
     StepStatus,
     WorkflowSpec,

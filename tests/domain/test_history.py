@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from attrs import evolve
 
-from domain.history import PRUNABLE_RUN_STATUSES, batch_take, finished_before, is_prunable
-from domain.model import TERMINAL_RUN_STATUSES, Run, RunOwner, RunStatus
-from domain.workflows import StepStatus, WorkflowStep
+from ql3.domain.history import PRUNABLE_RUN_STATUSES, batch_take, finished_before, is_prunable
+from ql3.domain.model import TERMINAL_RUN_STATUSES, Run, RunOwner, RunStatus
+from ql3.domain.workflows import StepStatus, WorkflowStep
 
 CUTOFF = 10_000
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 from attrs import evolve
 
-from domain.errors import InvalidAdmission, InvalidTransition
-from domain.events import EventType
-from domain.model import RunOwner, RunStatus
-from domain.quarantine import MAX_REASON_LENGTH, quarantine, unquarantine
-from domain.recovery import is_recovery_candidate
-from domain.retry import is_due_retry, is_lost_retry_candidate, start_next_attempt
-from domain.states import QUARANTINABLE_RUN_STATUSES
+from ql3.domain.errors import InvalidAdmission, InvalidTransition
+from ql3.domain.events import EventType
+from ql3.domain.model import RunOwner, RunStatus
+from ql3.domain.quarantine import MAX_REASON_LENGTH, quarantine, unquarantine
+from ql3.domain.recovery import is_recovery_candidate
+from ql3.domain.retry import is_due_retry, is_lost_retry_candidate, start_next_attempt
+from ql3.domain.states import QUARANTINABLE_RUN_STATUSES
 from tests.domain.builders import NOW, TTL, queued, running
 
 

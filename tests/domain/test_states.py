@@ -5,15 +5,15 @@ from __future__ import annotations
 import pytest
 from attrs import evolve
 
-from domain.errors import InvalidTransition
-from domain.model import (
+from ql3.domain.errors import InvalidTransition
+from ql3.domain.model import (
     TERMINAL_ATTEMPT_STATUSES,
     TERMINAL_RUN_STATUSES,
     AttemptStatus,
     ReleaseReason,
     RunStatus,
 )
-from domain.states import (
+from ql3.domain.states import (
     ADMITTED_RUN_STATUSES,
     ATTEMPT_EDGES,
     CLAIMABLE_RUN_STATUSES,
@@ -26,7 +26,7 @@ from domain.states import (
     require_run_edge,
     values,
 )
-from domain.transitions import admit, cancel, complete, mark_lost, release
+from ql3.domain.transitions import admit, cancel, complete, mark_lost, release
 from tests.domain.builders import NOW, legacy_offered, legacy_started, queued, running
 
 

@@ -29,9 +29,9 @@ import pytest
 from psycopg import sql
 from sqlalchemy.engine import make_url
 
-from adapters.cli.main import main as cli_main
-from application.queries import RunQueries
-from bootstrap import cluster as cluster_root
+from ql3.adapters.cli.main import main as cli_main
+from ql3.application.queries import RunQueries
+from ql3.bootstrap import cluster as cluster_root
 from tests.postgres_server import connect, random_name
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
@@ -155,7 +155,7 @@ class Cluster:
         log = self.workdir / f"{name}.log"
         handle = log.open("wb")
         popen = subprocess.Popen(
-            [sys.executable, "-m", "adapters.cli.main", *argv],
+            [sys.executable, "-m", "ql3.adapters.cli.main", *argv],
             cwd=PROJECT_ROOT,
             stdout=handle,
             stderr=subprocess.STDOUT,

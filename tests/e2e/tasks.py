@@ -8,8 +8,8 @@ import os
 import time
 from typing import Any
 
-from adapters.execution import TaskContext
 from benchmarks.tasks import append_line
+from ql3.adapters.execution import TaskContext
 
 
 def _ledger(event: str, context: TaskContext, **data: Any) -> None:

@@ -19,10 +19,10 @@ from typing import Any
 import httpx
 import pytest
 
-from adapters.worker.client import IngressClient
-from adapters.worker.ledger import Mode
-from adapters.worker.settings import WorkerSettings
-from domain.policy import Backoff, RetryPolicy, Safety
+from ql3.adapters.worker.client import IngressClient
+from ql3.adapters.worker.ledger import Mode
+from ql3.adapters.worker.settings import WorkerSettings
+from ql3.domain.policy import Backoff, RetryPolicy, Safety
 from tests.e2e.conftest import CADENCE_S, LEASE_TTL_S, Cluster, Ledger, alive, wait_for
 from tests.worker.fakes import (
     DropsFirstGrantingClaimAnswer,

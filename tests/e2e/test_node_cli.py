@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from adapters.cli.main import main
+from ql3.adapters.cli.main import main
 from tests.e2e.conftest import PROJECT_ROOT
 
 
@@ -45,7 +45,7 @@ def test_errors_are_one_line(argv: list[str], status: int, needle: str,
 
 def test_a_worker_that_cannot_reach_its_ingress_fails() -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "adapters.cli.main", "worker", "--ingress", "http://127.0.0.1:9",
+        [sys.executable, "-m", "ql3.adapters.cli.main", "worker", "--ingress", "http://127.0.0.1:9",
          "--app", "tests.e2e.tasks:app", "--worker-id", "w", "--register-timeout", "0.3"],
         cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=60,
     )

@@ -20,10 +20,10 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from adapters.http import ClaimSignal, create_app
-from adapters.memory import FakeClock, MemoryStore
-from application.admission import Admission
-from application.worker_commands import WorkerCommands
+from ql3.adapters.http import ClaimSignal, create_app
+from ql3.adapters.memory import FakeClock, MemoryStore
+from ql3.application.admission import Admission
+from ql3.application.worker_commands import WorkerCommands
 from tests.application.support import CountingIdentities
 
 LEASE_TTL_MS = 30_000
@@ -156,7 +156,7 @@ def services(store: Any, advance: Callable[[int], object], **app_options: Any) -
 @pytest.fixture(scope="module")
 def pg_http_store(request: pytest.FixtureRequest) -> Iterator[Any]:
     url: str = request.getfixturevalue("pg_database_url")
-    from adapters.postgres.store import PostgresStore
+    from ql3.adapters.postgres.store import PostgresStore
 
     store = PostgresStore.from_url(url)
     try:

@@ -13,10 +13,10 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from adapters.http import ClaimSignal, Woken
-from adapters.postgres.listen import DispatchListener, libpq_conninfo
-from adapters.postgres.queries import DISPATCH_CHANNEL
-from bootstrap import node as node_root
+from ql3.adapters.http import ClaimSignal, Woken
+from ql3.adapters.postgres.listen import DispatchListener, libpq_conninfo
+from ql3.adapters.postgres.queries import DISPATCH_CHANNEL
+from ql3.bootstrap import node as node_root
 from tests.http.conftest import services
 from tests.postgres_server import PostgresServer
 
@@ -140,7 +140,7 @@ def test_an_unreachable_database_is_retried_without_failing() -> None:
 
 
 def test_an_admission_on_postgresql_wakes_a_parked_claim(pg_database_url: str) -> None:
-    from adapters.postgres.store import PostgresStore
+    from ql3.adapters.postgres.store import PostgresStore
 
     store = PostgresStore.from_url(pg_database_url)
     try:

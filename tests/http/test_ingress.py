@@ -9,11 +9,11 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from adapters.http import create_app
-from adapters.memory import FakeClock, MemoryStore
-from application.ports import DispatchGate
-from application.worker_commands import WorkerCommands
-from domain.model import LeaseStatus, ReleaseReason, RunStatus, SessionStatus
+from ql3.adapters.http import create_app
+from ql3.adapters.memory import FakeClock, MemoryStore
+from ql3.application.ports import DispatchGate
+from ql3.application.worker_commands import WorkerCommands
+from ql3.domain.model import LeaseStatus, ReleaseReason, RunStatus, SessionStatus
 from tests.application.support import CountingIdentities, event_types, run_view, store_view
 from tests.http.conftest import LEASE_TTL_MS, Ingress, Session, fence
 
@@ -309,7 +309,7 @@ def test_stale_fences_are_409_and_change_nothing(ingress: Ingress) -> None:
 
 
 def test_a_closed_session_is_evidence_for_what_it_held(ingress: Ingress) -> None:
-    from application.recovery import RuntimeRecovery
+    from ql3.application.recovery import RuntimeRecovery
 
     session = ingress.register()
     (run_id,) = ingress.queued(1)

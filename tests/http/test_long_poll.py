@@ -11,9 +11,9 @@ from typing import Any
 
 from fastapi.testclient import TestClient
 
-from adapters.http import ClaimSignal, Woken, create_app
-from application.worker_commands import ClaimAnswer
-from domain.model import RunStatus
+from ql3.adapters.http import ClaimSignal, Woken, create_app
+from ql3.application.worker_commands import ClaimAnswer
+from ql3.domain.model import RunStatus
 from tests.application.support import run_view
 from tests.http.conftest import Ingress, Session, fence
 

@@ -14,13 +14,13 @@ import httpx
 import pytest
 import uvicorn
 
-from adapters.http import ClaimSignal
-from adapters.memory import FakeClock, MemoryStore
-from adapters.postgres.listen import DispatchListener
-from application.admission import Admission
-from application.identities import RandomIdentities
-from application.scheduler import CycleSummary
-from bootstrap import node as node_root
+from ql3.adapters.http import ClaimSignal
+from ql3.adapters.memory import FakeClock, MemoryStore
+from ql3.adapters.postgres.listen import DispatchListener
+from ql3.application.admission import Admission
+from ql3.application.identities import RandomIdentities
+from ql3.application.scheduler import CycleSummary
+from ql3.bootstrap import node as node_root
 
 CADENCE_S = 0.1
 LEASE_TTL_S = 3.0

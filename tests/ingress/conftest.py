@@ -10,9 +10,9 @@ import pytest
 from sqlalchemy import Engine, create_engine
 from sqlalchemy.pool import NullPool
 
-from adapters.postgres.grants import grant_ingress
-from adapters.postgres.ingress import PostgresIngressStore
-from adapters.postgres.store import PostgresStore
+from ql3.adapters.postgres.grants import grant_ingress
+from ql3.adapters.postgres.ingress import PostgresIngressStore
+from ql3.adapters.postgres.store import PostgresStore
 from tests.ingress.support import Env, build_env, drop_role, role_url, unique_role
 
 

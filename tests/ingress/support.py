@@ -14,18 +14,18 @@ from psycopg import sql
 from sqlalchemy import Engine, text
 from sqlalchemy.engine import make_url
 
-from adapters.postgres.ingress import PostgresIngressStore
-from adapters.postgres.store import PostgresStore
-from adapters.sql.schema import ALL_TABLES
-from application.admission import Admission
-from application.recovery import RuntimeRecovery
-from application.worker_commands import (
+from ql3.adapters.postgres.ingress import PostgresIngressStore
+from ql3.adapters.postgres.store import PostgresStore
+from ql3.adapters.sql.schema import ALL_TABLES
+from ql3.application.admission import Admission
+from ql3.application.recovery import RuntimeRecovery
+from ql3.application.worker_commands import (
     ClaimAnswer,
     Completion,
     SessionGrant,
     WorkerCommands,
 )
-from domain.fence import LeaseFence
+from ql3.domain.fence import LeaseFence
 from tests.application.support import BatchesOfOne, CountingIdentities
 from tests.postgres_server import connect
 

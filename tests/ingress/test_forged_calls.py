@@ -18,10 +18,10 @@ from attrs import evolve
 from psycopg import errors
 from psycopg.types.json import Jsonb
 
-from adapters.postgres.queries import ADVISORY_LOCK_NAMESPACE
-from application.admission import Admission
-from domain.fence import LeaseFence, hash_token
-from domain.policy import Backoff, RetryPolicy, Safety
+from ql3.adapters.postgres.queries import ADVISORY_LOCK_NAMESPACE
+from ql3.application.admission import Admission
+from ql3.domain.fence import LeaseFence, hash_token
+from ql3.domain.policy import Backoff, RetryPolicy, Safety
 from tests.ingress.support import Env, Worker, expire_lease, register, set_gate
 from tests.postgres_server import connect
 

@@ -13,9 +13,9 @@ import pytest
 from attrs import evolve
 from sqlalchemy import event
 
-from adapters.postgres.ingress import IngressNotPermitted
-from adapters.postgres.queries import ADVISORY_LOCK_NAMESPACE
-from application.worker_commands import (
+from ql3.adapters.postgres.ingress import IngressNotPermitted
+from ql3.adapters.postgres.queries import ADVISORY_LOCK_NAMESPACE
+from ql3.application.worker_commands import (
     Abandonment,
     BatchAnswer,
     BatchOutcome,
@@ -26,9 +26,9 @@ from application.worker_commands import (
     SessionUnauthorized,
     UnknownSession,
 )
-from domain.errors import ConcurrencyConflict, FenceReason, InvalidAdmission, SessionRejected
-from domain.fence import LeaseFence, hash_token
-from domain.model import (
+from ql3.domain.errors import ConcurrencyConflict, FenceReason, InvalidAdmission, SessionRejected
+from ql3.domain.fence import LeaseFence, hash_token
+from ql3.domain.model import (
     AttemptStatus,
     EvidenceKind,
     LeaseStatus,
@@ -36,8 +36,8 @@ from domain.model import (
     RunStatus,
     SessionStatus,
 )
-from domain.policy import Backoff, RetryPolicy, Safety
-from domain.transitions import claim, complete
+from ql3.domain.policy import Backoff, RetryPolicy, Safety
+from ql3.domain.transitions import claim, complete
 from tests.ingress.support import (
     LEASE_TTL_MS,
     Env,

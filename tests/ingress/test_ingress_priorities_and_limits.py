@@ -8,11 +8,11 @@ import threading
 
 import pytest
 
-from application.admission import AdmissionRequest
-from application.task_limits import TaskLimits
-from application.worker_commands import NoGrant
-from domain.errors import ConcurrencyConflict
-from domain.transitions import claim
+from ql3.application.admission import AdmissionRequest
+from ql3.application.task_limits import TaskLimits
+from ql3.application.worker_commands import NoGrant
+from ql3.domain.errors import ConcurrencyConflict
+from ql3.domain.transitions import claim
 from tests.ingress.support import Env, Worker, register
 
 

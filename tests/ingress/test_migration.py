@@ -14,12 +14,12 @@ from alembic import command
 from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.pool import NullPool
 
-from adapters.postgres import queries
-from adapters.postgres.migrate import MIGRATIONS, alembic_config, current_revision, upgrade
-from domain.events import EventType
-from domain.model import AttemptStatus, RunStatus
-from domain.policy import RETRYABLE_SAFETY
-from domain.states import (
+from ql3.adapters.postgres import queries
+from ql3.adapters.postgres.migrate import MIGRATIONS, alembic_config, current_revision, upgrade
+from ql3.domain.events import EventType
+from ql3.domain.model import AttemptStatus, RunStatus
+from ql3.domain.policy import RETRYABLE_SAFETY
+from ql3.domain.states import (
     ATTEMPT_EDGES,
     CLAIMABLE_RUN_STATUSES,
     NON_TERMINAL_ATTEMPT_STATUSES,
@@ -201,8 +201,8 @@ def test_the_outcomes_revisions_frozen_lists_are_the_domains() -> None:
                 attempt_to,
             )
     # the failing completion's event keys are the ones the domain writes
-    from domain.policy import RetryPolicy, Safety
-    from domain.transitions import complete
+    from ql3.domain.policy import RetryPolicy, Safety
+    from ql3.domain.transitions import complete
     from tests.domain.builders import running
 
     keys: set[str] = set()

@@ -1,5 +1,5 @@
 """Schemathesis against the node's OpenAPI document: the ingress app exactly as ``ql3 serve``
-builds it (``bootstrap.node``), on PostgreSQL, its commands running as the least-privilege
+builds it (``ql3.bootstrap.node``), on PostgreSQL, its commands running as the least-privilege
 ingress role.
 
 Every operation of the document gets a bounded number of generated requests, valid and
@@ -32,7 +32,7 @@ from schemathesis.checks import (
 )
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from bootstrap.node import NodeContainer, build, close_stores, create_node_app
+from ql3.bootstrap.node import NodeContainer, build, close_stores, create_node_app
 from tests.ingress.support import dump
 
 pytestmark = pytest.mark.postgres

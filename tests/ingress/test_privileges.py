@@ -15,8 +15,8 @@ from psycopg import errors
 from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.pool import NullPool
 
-from adapters.cli.main import main
-from adapters.postgres.grants import (
+from ql3.adapters.cli.main import main
+from ql3.adapters.postgres.grants import (
     IngressGrantRefused,
     IngressSchemaMissing,
     grant_ingress,

@@ -23,8 +23,8 @@ from typing import Any
 
 import pytest
 
-from domain.model import AttemptStatus, RunStatus
-from domain.states import ATTEMPT_EDGES, RUN_EDGES
+from ql3.domain.model import AttemptStatus, RunStatus
+from ql3.domain.states import ATTEMPT_EDGES, RUN_EDGES
 
 Status = Any  # a RunStatus or an AttemptStatus
 Edge = tuple[Status, Status]

@@ -9,9 +9,9 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from adapters.memory import FakeClock, MemoryStore
-from application.admission import AdmissionRequest
-from bootstrap import node
+from ql3.adapters.memory import FakeClock, MemoryStore
+from ql3.application.admission import AdmissionRequest
+from ql3.bootstrap import node
 
 RULES = Path(__file__).resolve().parents[2] / "deploy" / "prometheus"
 

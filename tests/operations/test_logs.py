@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from adapters import logs
+from ql3.adapters import logs
 
 SECRET = "s3cr3t-registration-token"
 

@@ -20,11 +20,11 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import text
 
-from application.admission import AdmissionRequest
-from application.worker_commands import Completion
-from bootstrap import node
-from domain.fence import LeaseFence
-from domain.policy import Backoff, RetryPolicy, Safety
+from ql3.application.admission import AdmissionRequest
+from ql3.application.worker_commands import Completion
+from ql3.bootstrap import node
+from ql3.domain.fence import LeaseFence
+from ql3.domain.policy import Backoff, RetryPolicy, Safety
 
 pytestmark = pytest.mark.postgres
 

@@ -18,7 +18,7 @@ import httpx
 import pytest
 from sqlalchemy.engine import make_url
 
-from domain.policy import Backoff, RetryPolicy, Safety
+from ql3.domain.policy import Backoff, RetryPolicy, Safety
 from tests.e2e.conftest import (
     CADENCE_S,
     LEASE_TTL_S,

@@ -16,12 +16,12 @@ import psycopg
 import pytest
 from sqlalchemy.engine import make_url
 
-from adapters.cli.main import main
-from adapters.postgres.store import PostgresStore
-from application.admission import AdmissionRequest
-from bootstrap import cluster
-from domain.model import RunStatus
-from domain.policy import RetryPolicy, Safety
+from ql3.adapters.cli.main import main
+from ql3.adapters.postgres.store import PostgresStore
+from ql3.application.admission import AdmissionRequest
+from ql3.bootstrap import cluster
+from ql3.domain.model import RunStatus
+from ql3.domain.policy import RetryPolicy, Safety
 
 pytestmark = pytest.mark.postgres
 

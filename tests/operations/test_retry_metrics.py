@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry
 
-from adapters.prometheus import TASK_FAILED, PrometheusMetrics
-from domain.events import EventType, RunEvent
+from ql3.adapters.prometheus import TASK_FAILED, PrometheusMetrics
+from ql3.domain.events import EventType, RunEvent
 
 
 def _failed(retry: bool) -> RunEvent:

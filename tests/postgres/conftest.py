@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from adapters.postgres.store import PostgresStore
+from ql3.adapters.postgres.store import PostgresStore
 
 
 @pytest.fixture(scope="module")

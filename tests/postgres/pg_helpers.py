@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from adapters.postgres.store import PostgresStore
-from domain.fence import hash_token
-from domain.model import RunOwner, WorkerSession
-from domain.policy import RetryPolicy
-from domain.sessions import close, register_session
-from domain.transitions import admit, claim
+from ql3.adapters.postgres.store import PostgresStore
+from ql3.domain.fence import hash_token
+from ql3.domain.model import RunOwner, WorkerSession
+from ql3.domain.policy import RetryPolicy
+from ql3.domain.sessions import close, register_session
+from ql3.domain.transitions import admit, claim
 
 TOKEN = "token-of-the-worker"
 SECRET = "secret"
@@ -108,7 +108,7 @@ def dispatched(
 
 def recover(store: PostgresStore, attempt_id: str) -> bool:
     """What runtime recovery does with one candidate; True when the Attempt became lost."""
-    from domain.recovery import find_not_running_evidence, resolve_recovery
+    from ql3.domain.recovery import find_not_running_evidence, resolve_recovery
 
     with store.unit_of_work() as uow:
         snapshot = uow.runs.lock_attempt(attempt_id)
@@ -132,7 +132,7 @@ def recover(store: PostgresStore, attempt_id: str) -> bool:
 
 def settle(store: PostgresStore, run_id: str) -> None:
     """The lost-retry decision for a ``lost`` Run."""
-    from domain.retry import settle_lost_run
+    from ql3.domain.retry import settle_lost_run
 
     with store.unit_of_work() as uow:
         snapshot = uow.runs.lock_run(run_id)

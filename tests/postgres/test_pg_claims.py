@@ -13,12 +13,12 @@ import psycopg.sql
 import pytest
 from sqlalchemy import event
 
-from adapters.postgres.store import DISPATCH_CHANNEL, PostgresStore, PostgresUnitOfWork
-from application.admission import Admission
-from application.dispatch import DispatchGateStep
-from application.identities import RandomIdentities
-from application.ports import DispatchGate
-from application.worker_commands import (
+from ql3.adapters.postgres.store import DISPATCH_CHANNEL, PostgresStore, PostgresUnitOfWork
+from ql3.application.admission import Admission
+from ql3.application.dispatch import DispatchGateStep
+from ql3.application.identities import RandomIdentities
+from ql3.application.ports import DispatchGate
+from ql3.application.worker_commands import (
     ClaimAnswer,
     Completion,
     Grant,
@@ -27,9 +27,9 @@ from application.worker_commands import (
     SessionGrant,
     WorkerCommands,
 )
-from domain.errors import ConcurrencyConflict
-from domain.model import AttemptStatus, LeaseStatus, ReleaseReason, RunStatus
-from domain.transitions import admit, create_first_attempt
+from ql3.domain.errors import ConcurrencyConflict
+from ql3.domain.model import AttemptStatus, LeaseStatus, ReleaseReason, RunStatus
+from ql3.domain.transitions import admit, create_first_attempt
 
 TTL_MS = 60_000
 TASK = "t"
@@ -52,7 +52,7 @@ def _admit(store: PostgresStore, count: int, task: str = TASK) -> list[str]:
 
 
 def _request(task: str) -> Any:
-    from application.admission import AdmissionRequest
+    from ql3.application.admission import AdmissionRequest
 
     return AdmissionRequest(task=task, input={"task": task})
 
@@ -342,7 +342,7 @@ def _rows_read_from(plan: dict[str, Any], index: str) -> int:
 def test_a_claim_reads_no_more_of_the_queue_than_it_takes(
     store: PostgresStore, commands: WorkerCommands
 ) -> None:
-    from adapters.postgres import hot
+    from ql3.adapters.postgres import hot
 
     _admit(store, 60)
     session = commands.register("w1", 8, [TASK])

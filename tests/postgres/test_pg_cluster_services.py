@@ -11,11 +11,11 @@ import psycopg
 import pytest
 from sqlalchemy.engine import make_url
 
-from adapters.cli.main import main
-from adapters.postgres.store import PostgresStore
-from application.worker_commands import Grant, SessionGrant
-from bootstrap import cluster
-from domain.policy import RetryPolicy, Safety
+from ql3.adapters.cli.main import main
+from ql3.adapters.postgres.store import PostgresStore
+from ql3.application.worker_commands import Grant, SessionGrant
+from ql3.bootstrap import cluster
+from ql3.domain.policy import RetryPolicy, Safety
 from tests.postgres_server import PostgresServer, create_database, drop_database, random_name
 
 TTL_S = 5.0
@@ -58,7 +58,7 @@ def test_unknown_candidates_do_not_starve_a_resolvable_one(store: PostgresStore)
 
 
 def admission_request(task: str):  # type: ignore[no-untyped-def]
-    from application.admission import AdmissionRequest
+    from ql3.application.admission import AdmissionRequest
 
     return AdmissionRequest(
         task=task,

@@ -13,11 +13,11 @@ import pytest
 from attrs import evolve
 from sqlalchemy.exc import DBAPIError, OperationalError
 
-from adapters.postgres.store import ADVISORY_LOCK_NAMESPACE, PostgresStore
-from application.ports import Snapshot
-from domain.errors import ConcurrencyConflict
-from domain.events import EventType, RunEvent
-from domain.model import (
+from ql3.adapters.postgres.store import ADVISORY_LOCK_NAMESPACE, PostgresStore
+from ql3.application.ports import Snapshot
+from ql3.domain.errors import ConcurrencyConflict
+from ql3.domain.events import EventType, RunEvent
+from ql3.domain.model import (
     Attempt,
     AttemptStatus,
     EvidenceKind,
@@ -27,10 +27,10 @@ from domain.model import (
     SessionStatus,
     StopReport,
 )
-from domain.policy import RetryPolicy, Safety
-from domain.recovery import find_not_running_evidence, resolve_recovery
-from domain.sessions import close
-from domain.transitions import Change, admit, renew
+from ql3.domain.policy import RetryPolicy, Safety
+from ql3.domain.recovery import find_not_running_evidence, resolve_recovery
+from ql3.domain.sessions import close
+from ql3.domain.transitions import Change, admit, renew
 from tests.postgres.pg_helpers import (
     admit_run,
     claim_attempt,
@@ -364,7 +364,7 @@ def test_a_second_writer_with_the_same_before_loses(store: PostgresStore) -> Non
 
 
 def test_lost_retry_goes_through_retry_wait_to_a_fresh_attempt(store: PostgresStore) -> None:
-    from domain.retry import start_next_attempt
+    from ql3.domain.retry import start_next_attempt
 
     policy = RetryPolicy(retry_on_lost=True, max_attempts=3, safety=Safety.IDEMPOTENT)
     session = open_session(store, "s1", "w1")
@@ -505,7 +505,7 @@ def test_a_session_update_is_a_compare_and_set_on_status(store: PostgresStore) -
 def test_a_renewal_moves_only_expiry_as_a_hot_update(store: PostgresStore) -> None:
     from sqlalchemy import text
 
-    from domain.fence import LeaseFence
+    from ql3.domain.fence import LeaseFence
     from tests.postgres.pg_helpers import TOKEN
 
     session = open_session(store, "s1", "w1")

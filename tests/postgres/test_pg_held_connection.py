@@ -8,7 +8,7 @@ from typing import Any
 
 import psycopg
 
-from adapters.postgres.store import PostgresStore, PostgresUnitOfWork
+from ql3.adapters.postgres.store import PostgresStore, PostgresUnitOfWork
 
 
 def _pid(uow: PostgresUnitOfWork) -> int:

@@ -1,6 +1,6 @@
 """A scrape, ``ql3 status`` and ``ql3 doctor`` cost what the live work costs (ADR 0010).
 
-The statements of the operations view (``adapters.sql.operations``) are EXPLAINed beside a few
+The statements of the operations view (``ql3.adapters.sql.operations``) are EXPLAINed beside a few
 live Runs of every kind, then with 10,000 and 100,000 finished Runs (each with its Attempt and
 released lease): none may read ``runs``, ``run_attempts`` or ``run_dispatch_leases``
 sequentially, each stays under the cost bound of the candidate queries, and the tenfold history
@@ -15,11 +15,11 @@ import pytest
 from sqlalchemy import create_engine, text
 from sqlalchemy.pool import NullPool
 
-from adapters.postgres.queries import POSTGRES, store_now
-from adapters.postgres.store import PostgresStore
-from adapters.sql import operations, statements
-from application.operations import Quarantines
-from application.ports import HARD_PAGE_CAP, OperationsView
+from ql3.adapters.postgres.queries import POSTGRES, store_now
+from ql3.adapters.postgres.store import PostgresStore
+from ql3.adapters.sql import operations, statements
+from ql3.application.operations import Quarantines
+from ql3.application.ports import HARD_PAGE_CAP, OperationsView
 from tests.postgres import test_pg_query_plans as plans_of
 
 pytestmark = pytest.mark.slow

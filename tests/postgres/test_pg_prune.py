@@ -15,12 +15,12 @@ import pytest
 from sqlalchemy import create_engine, text
 from sqlalchemy.pool import NullPool
 
-from adapters.postgres.queries import POSTGRES
-from adapters.postgres.store import PostgresStore
-from adapters.sql.history import prunable_query
-from adapters.sql.schema import metadata
-from application.history import HistoryPruning
-from application.ports import PruneMark
+from ql3.adapters.postgres.queries import POSTGRES
+from ql3.adapters.postgres.store import PostgresStore
+from ql3.adapters.sql.history import prunable_query
+from ql3.adapters.sql.schema import metadata
+from ql3.application.history import HistoryPruning
+from ql3.application.ports import PruneMark
 from tests.contract.builders import (
     committed,
     finish,

@@ -26,15 +26,15 @@ from sqlalchemy.pool import NullPool
 from sqlalchemy.sql import ClauseElement, Executable
 from sqlalchemy.sql.compiler import SQLCompiler
 
-from adapters.postgres import hot
-from adapters.postgres.store import (
+from ql3.adapters.postgres import hot
+from ql3.adapters.postgres.store import (
     PostgresStore,
     due_retries_query,
     lost_runs_query,
     orphaned_runs_query,
     recovery_candidates_query,
 )
-from domain.policy import RetryPolicy, Safety
+from ql3.domain.policy import RetryPolicy, Safety
 from tests.postgres.pg_helpers import (
     admit_run,
     claim_attempt,

@@ -1,4 +1,4 @@
-"""The Alembic migrations build exactly the schema declared in ``adapters.sql.schema``."""
+"""The Alembic migrations build exactly the schema declared in ``ql3.adapters.sql.schema``."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from alembic.runtime.migration import MigrationContext
 from sqlalchemy import Connection, Engine, create_engine, text
 from sqlalchemy.pool import NullPool
 
-from adapters.postgres.migrate import current_revision, head_revision, upgrade
-from adapters.sql.schema import ALL_TABLES, metadata
+from ql3.adapters.postgres.migrate import current_revision, head_revision, upgrade
+from ql3.adapters.sql.schema import ALL_TABLES, metadata
 
 DECLARED = "declared"
 

@@ -11,11 +11,11 @@ from collections.abc import Iterator
 import pytest
 from sqlalchemy import text
 
-from adapters.postgres.store import PostgresStore
-from application.admission import Admission, AdmissionRequest
-from application.identities import RandomIdentities
-from application.task_limits import TaskLimits
-from application.worker_commands import Completion, WorkerCommands
+from ql3.adapters.postgres.store import PostgresStore
+from ql3.application.admission import Admission, AdmissionRequest
+from ql3.application.identities import RandomIdentities
+from ql3.application.task_limits import TaskLimits
+from ql3.application.worker_commands import Completion, WorkerCommands
 
 pytestmark = pytest.mark.slow
 
@@ -132,7 +132,7 @@ def test_setting_or_clearing_a_limit_wakes_parked_claims(
     dispatch channel, as an admission does."""
     import psycopg
 
-    from adapters.postgres.queries import DISPATCH_CHANNEL
+    from ql3.adapters.postgres.queries import DISPATCH_CHANNEL
 
     dsn = pg_database_url.replace("postgresql+psycopg://", "postgresql://", 1)
     limits = TaskLimits(replicas[0].unit_of_work)

@@ -11,11 +11,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from adapters.postgres.store import PostgresStore
-from application.admission import Admission, AdmissionRequest, Admitted
-from application.identities import RandomIdentities
-from domain.model import RunStatus
-from domain.transitions import admit
+from ql3.adapters.postgres.store import PostgresStore
+from ql3.application.admission import Admission, AdmissionRequest, Admitted
+from ql3.application.identities import RandomIdentities
+from ql3.domain.model import RunStatus
+from ql3.domain.transitions import admit
 
 pytestmark = pytest.mark.postgres
 
@@ -128,7 +128,7 @@ def test_a_submit_inserts_when_the_uncommitted_run_with_its_key_rolls_back(
 
 
 def test_the_key_lookup_reads_the_partial_unique_index(store: PostgresStore) -> None:
-    from adapters.postgres import queries
+    from ql3.adapters.postgres import queries
 
     statement = queries.unfinished_with_keys(["a", "b"])
     compiled = statement.compile(

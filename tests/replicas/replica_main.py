@@ -17,8 +17,8 @@ import sys
 import time
 from pathlib import Path
 
-from application.scheduler import CycleSummary
-from bootstrap.cluster import build
+from ql3.application.scheduler import CycleSummary
+from ql3.bootstrap.cluster import build
 
 BARRIER_TIMEOUT_S = 60.0
 

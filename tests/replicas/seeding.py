@@ -27,9 +27,9 @@ from dataclasses import dataclass
 
 import psycopg
 
-from application.admission import AdmissionRequest
-from bootstrap.cluster import ClusterContainer, build
-from domain.fence import LeaseFence
+from ql3.application.admission import AdmissionRequest
+from ql3.bootstrap.cluster import ClusterContainer, build
+from ql3.domain.fence import LeaseFence
 from tests.postgres_server import connect
 
 TASK = "replica-mail"
@@ -153,7 +153,7 @@ def _copy(
     skip: tuple[str, ...] = (),
     order_by: str | None = None,
 ) -> None:
-    from adapters.sql.schema import metadata
+    from ql3.adapters.sql.schema import metadata
 
     columns = [c.name for c in metadata.tables[table].columns if c.name not in skip]
     values = [replaced.get(name, f"x.{name}") for name in columns]

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 from sqlalchemy.engine import make_url
 
-from adapters.postgres.queries import truncate_all
+from ql3.adapters.postgres.queries import truncate_all
 from tests.postgres_server import PostgresServer, connect
 from tests.replicas.seeding import (
     clone_runs,

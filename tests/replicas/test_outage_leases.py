@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from application.admission import AdmissionRequest
-from application.worker_commands import Completion, Grant
-from bootstrap.cluster import ClusterContainer, build
+from ql3.application.admission import AdmissionRequest
+from ql3.application.worker_commands import Completion, Grant
+from ql3.bootstrap.cluster import ClusterContainer, build
 from tests.postgres_server import (
     PrivateServer,
     connect,

@@ -24,11 +24,11 @@ import psycopg
 import pytest
 from sqlalchemy.engine import make_url
 
-from adapters.postgres.engine import connection_ended
-from adapters.postgres.store import PostgresStore
-from application.scheduler import CycleSummary
-from application.worker_commands import ClaimAnswer, NoGrant
-from bootstrap.cluster import ClusterContainer, build
+from ql3.adapters.postgres.engine import connection_ended
+from ql3.adapters.postgres.store import PostgresStore
+from ql3.application.scheduler import CycleSummary
+from ql3.application.worker_commands import ClaimAnswer, NoGrant
+from ql3.bootstrap.cluster import ClusterContainer, build
 from tests.postgres_server import (
     PostgresServer,
     PrivateServer,

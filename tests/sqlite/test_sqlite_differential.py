@@ -9,7 +9,7 @@ from pathlib import Path
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import run_state_machine_as_test
 
-from adapters.sql.sqlite import SqliteStore
+from ql3.adapters.sql.sqlite import SqliteStore
 from tests.state_machine.test_differential import STATS, Side, make_differential
 
 EXAMPLES = 15

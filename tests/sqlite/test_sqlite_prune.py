@@ -8,11 +8,11 @@ from pathlib import Path
 
 from sqlalchemy.dialects import sqlite
 
-from adapters.sql.history import prunable_query
-from adapters.sql.sqlite import SqliteStore
-from adapters.sql.sqlite.queries import SQLITE
-from adapters.sql.sqlite.store import SCHEMA_VERSION
-from application.ports import PruneMark
+from ql3.adapters.sql.history import prunable_query
+from ql3.adapters.sql.sqlite import SqliteStore
+from ql3.adapters.sql.sqlite.queries import SQLITE
+from ql3.adapters.sql.sqlite.store import SCHEMA_VERSION
+from ql3.application.ports import PruneMark
 
 PRUNE_INDEXES = ("ix_runs_finished", "ix_run_dispatch_leases_attempt_id")
 

@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 from sqlalchemy.exc import IntegrityError
 
-from adapters.sql.sqlite import SCHEMA_VERSION, SchemaMismatch, SqliteStore
-from adapters.sql.sqlite.wake import WakeListener, poke
-from application.admission import Admission
-from application.dispatch import DispatchGateStep
-from application.identities import RandomIdentities
-from application.ports import DispatchGate
-from application.worker_commands import NoGrant, Release, WorkerCommands
+from ql3.adapters.sql.sqlite import SCHEMA_VERSION, SchemaMismatch, SqliteStore
+from ql3.adapters.sql.sqlite.wake import WakeListener, poke
+from ql3.application.admission import Admission
+from ql3.application.dispatch import DispatchGateStep
+from ql3.application.identities import RandomIdentities
+from ql3.application.ports import DispatchGate
+from ql3.application.worker_commands import NoGrant, Release, WorkerCommands
 
 
 @pytest.fixture
@@ -135,7 +135,7 @@ def test_a_committed_admission_pokes_the_wake_channel_and_a_rolled_back_one_does
     try:
         identities = RandomIdentities()
         with store.unit_of_work() as uow:
-            from domain.transitions import admit
+            from ql3.domain.transitions import admit
 
             uow.runs.add(
                 admit(
@@ -211,7 +211,7 @@ def test_a_commit_that_queues_a_run_again_pokes_and_a_claim_does_not(store: Sqli
         assert answer2.released == (again.attempt_id,)
         assert listener.drain() == 1
         # Any admission wakes, a Run admitted ``created`` (a workflow's aggregate) too.
-        from domain.transitions import admit
+        from ql3.domain.transitions import admit
 
         with store.unit_of_work() as uow:
             created = admit(
@@ -262,7 +262,7 @@ def test_a_claim_reads_each_part_of_its_candidates_from_its_own_index(
     """However deep the queue, a claim reads the never-changed Attempts from
     ``ix_runs_claimable`` and the handed-back ones from ``ix_run_attempts_handed_back``: no
     part walks the whole queue of its task."""
-    from adapters.sql.sqlite import hot
+    from ql3.adapters.sql.sqlite import hot
 
     commands = _commands(store)
     admission = Admission(store.unit_of_work, RandomIdentities())
@@ -297,7 +297,7 @@ def test_a_refused_batch_leaves_nothing_and_the_transaction_usable(store: Sqlite
     """A batch one of whose items lost its race (its Attempt was claimed since it was read)
     is refused as a whole, by count of the rows its compare-and-set touched; the transaction
     goes on and commits what it writes next."""
-    from domain.errors import ConcurrencyConflict
+    from ql3.domain.errors import ConcurrencyConflict
     from tests.contract.builders import (
         claim_attempt,
         given_queued,

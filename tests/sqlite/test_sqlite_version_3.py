@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from adapters.sql.sqlite import SCHEMA_VERSION, SqliteStore
-from application.admission import Admission
-from application.identities import RandomIdentities
-from application.operations import Quarantines
-from application.ports import HARD_PAGE_CAP, NodeCycle
-from domain.events import EventType
-from domain.model import EvidenceKind
+from ql3.adapters.sql.sqlite import SCHEMA_VERSION, SqliteStore
+from ql3.application.admission import Admission
+from ql3.application.identities import RandomIdentities
+from ql3.application.operations import Quarantines
+from ql3.application.ports import HARD_PAGE_CAP, NodeCycle
+from ql3.domain.events import EventType
+from ql3.domain.model import EvidenceKind
 from tests.contract.builders import committed, given_session, given_started, lose
 
 QUARANTINE_TYPES = " OR type = 'run_quarantined' OR type = 'run_unquarantined'"

@@ -8,10 +8,10 @@ from __future__ import annotations
 import sqlite3
 from pathlib import Path
 
-from adapters.sql.sqlite import SCHEMA_VERSION, SqliteStore
-from application.admission import Admission
-from application.identities import RandomIdentities
-from domain.policy import RetryPolicy, Safety
+from ql3.adapters.sql.sqlite import SCHEMA_VERSION, SqliteStore
+from ql3.application.admission import Admission
+from ql3.application.identities import RandomIdentities
+from ql3.domain.policy import RetryPolicy, Safety
 
 JOB_COLUMNS = (
     "retry_on_error",

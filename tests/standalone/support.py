@@ -12,15 +12,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
-from adapters.sql.sqlite import SqliteStore
-from application.queries import RunQueries, RunView
+from ql3.adapters.sql.sqlite import SqliteStore
+from ql3.application.queries import RunQueries, RunView
 
 REPO = Path(__file__).resolve().parents[2]
 APP = "tests.standalone.tasks:TASKS"
 
 
 class Child:
-    """``python -m adapters.cli.main standalone ...`` with its output in a file."""
+    """``python -m ql3.adapters.cli.main standalone ...`` with its output in a file."""
 
     def __init__(self, database: Path, log: Path, *extra: str) -> None:
         self.log_path = log
@@ -29,7 +29,7 @@ class Child:
             [
                 sys.executable,
                 "-m",
-                "adapters.cli.main",
+                "ql3.adapters.cli.main",
                 "standalone",
                 "--app",
                 APP,

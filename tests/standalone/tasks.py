@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from adapters.execution import TaskContext
+from ql3.adapters.execution import TaskContext
 
 
 def hold(payload: dict[str, Any], context: TaskContext) -> dict[str, Any]:

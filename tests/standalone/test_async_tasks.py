@@ -7,8 +7,8 @@ import time
 from pathlib import Path
 
 import ql3
-from adapters.standalone.pool import Execution, InProcessPool
-from application.worker_commands import Grant
+from ql3.adapters.standalone.pool import Execution, InProcessPool
+from ql3.application.worker_commands import Grant
 from tests.api.tasks import TASKS
 from tests.worker.async_tasks import TASKS as ASYNC_TASKS
 

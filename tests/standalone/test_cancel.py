@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from application.queries import RunQueries
-from bootstrap import standalone
-from domain.model import RunStatus
+from ql3.application.queries import RunQueries
+from ql3.bootstrap import standalone
+from ql3.domain.model import RunStatus
 from tests.standalone.support import wait_for
 from tests.worker.async_tasks import TASKS
 

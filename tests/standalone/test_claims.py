@@ -14,16 +14,16 @@ from typing import Any
 
 import pytest
 
-from adapters.sql.sqlite import SqliteStore
-from adapters.standalone import StandaloneRunner
-from adapters.standalone.pool import InProcessPool
-from adapters.standalone.runner import MIN_CYCLE_GAP_S
-from application.admission import Admission, AdmissionRequest
-from application.identities import RandomIdentities
-from application.queries import RunQueries, RunView
-from application.worker_commands import ClaimAnswer, Completion, WorkerCommands
-from bootstrap import standalone
-from domain.model import AttemptStatus, LeaseStatus, ReleaseReason, RunStatus
+from ql3.adapters.sql.sqlite import SqliteStore
+from ql3.adapters.standalone import StandaloneRunner
+from ql3.adapters.standalone.pool import InProcessPool
+from ql3.adapters.standalone.runner import MIN_CYCLE_GAP_S
+from ql3.application.admission import Admission, AdmissionRequest
+from ql3.application.identities import RandomIdentities
+from ql3.application.queries import RunQueries, RunView
+from ql3.application.worker_commands import ClaimAnswer, Completion, WorkerCommands
+from ql3.bootstrap import standalone
+from ql3.domain.model import AttemptStatus, LeaseStatus, ReleaseReason, RunStatus
 from tests.standalone.support import wait_for
 from tests.standalone.tasks import TASKS
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from adapters.cli.main import main
+from ql3.adapters.cli.main import main
 
 
 def test_submit_then_list_and_show_on_a_sqlite_database(

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from adapters.sql.sqlite import SqliteStore
-from application.admission import Admission
-from application.identities import RandomIdentities
-from domain.model import AttemptStatus, EvidenceKind, LeaseStatus, ReleaseReason, RunStatus
-from domain.policy import Backoff, RetryPolicy, Safety
+from ql3.adapters.sql.sqlite import SqliteStore
+from ql3.application.admission import Admission
+from ql3.application.identities import RandomIdentities
+from ql3.domain.model import AttemptStatus, EvidenceKind, LeaseStatus, ReleaseReason, RunStatus
+from ql3.domain.policy import Backoff, RetryPolicy, Safety
 from tests.standalone.support import Child, views, wait_for
 
 LEASE_TTL = "1.5"

@@ -6,10 +6,10 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from adapters.sql.sqlite import SqliteStore
-from application.admission import Admission
-from application.identities import RandomIdentities
-from domain.model import RunStatus
+from ql3.adapters.sql.sqlite import SqliteStore
+from ql3.application.admission import Admission
+from ql3.application.identities import RandomIdentities
+from ql3.domain.model import RunStatus
 from tests.standalone.support import Child, views, wait_for
 
 # A short lease TTL: renewals, and anything else kept on the TTL's schedule, would come often.

@@ -14,9 +14,9 @@ from tests.standalone.support import REPO
 SCRIPT = textwrap.dedent(
     """
     import sys, threading, time
-    from adapters.cli.main import main
-    from application.queries import RunQueries
-    from bootstrap import edge, standalone
+    from ql3.adapters.cli.main import main
+    from ql3.application.queries import RunQueries
+    from ql3.bootstrap import edge, standalone
     from tests.standalone.tasks import TASKS
 
     database = sys.argv[1]
@@ -46,8 +46,9 @@ SCRIPT = textwrap.dedent(
     assert main(["runs", "show", run_id, "--database-url", url]) == 0
 
     loaded = sorted(m for m in sys.modules
-                    if m == "psycopg" or m.startswith(("psycopg.", "psycopg_", "adapters.postgres",
-                                                       "bootstrap.cluster")))
+                    if m == "psycopg" or m.startswith(("psycopg.", "psycopg_",
+                                                       "ql3.adapters.postgres",
+                                                       "ql3.bootstrap.cluster")))
     print("LOADED:" + ",".join(loaded))
     """
 )

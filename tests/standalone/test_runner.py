@@ -14,13 +14,13 @@ from typing import Any
 
 import pytest
 
-from adapters.standalone import AlreadyRunning, StandaloneRunner
-from adapters.standalone.runner import MIN_CYCLE_GAP_S
-from application.queries import RunQueries
-from application.worker_commands import Grant
-from bootstrap import edge, standalone
-from domain.model import AttemptStatus, EvidenceKind, RunStatus, SessionStatus
-from domain.policy import Backoff, RetryPolicy, Safety
+from ql3.adapters.standalone import AlreadyRunning, StandaloneRunner
+from ql3.adapters.standalone.runner import MIN_CYCLE_GAP_S
+from ql3.application.queries import RunQueries
+from ql3.application.worker_commands import Grant
+from ql3.bootstrap import edge, standalone
+from ql3.domain.model import AttemptStatus, EvidenceKind, RunStatus, SessionStatus
+from ql3.domain.policy import Backoff, RetryPolicy, Safety
 from tests.standalone.support import REPO, wait_for
 from tests.standalone.tasks import TASKS
 
@@ -95,7 +95,7 @@ def test_an_idle_edge_process_makes_zero_cycles_until_a_submit_from_another_proc
 
     database = tmp_path / "ql3.sqlite"
     submitted = subprocess.run(
-        [sys.executable, "-m", "adapters.cli.main", "submit", "echo", "--input", '{"x": 1}',
+        [sys.executable, "-m", "ql3.adapters.cli.main", "submit", "echo", "--input", '{"x": 1}',
          "--database-url", f"sqlite:///{database}", "--json"],
         cwd=REPO, capture_output=True, text=True, timeout=60,
     )
@@ -256,7 +256,7 @@ def test_an_idle_edge_process_wakes_for_a_delayed_run_submitted_from_another_pro
 
     database = tmp_path / "ql3.sqlite"
     submitted = subprocess.run(
-        [sys.executable, "-m", "adapters.cli.main", "submit", "echo", "--input", '{"x": 2}',
+        [sys.executable, "-m", "ql3.adapters.cli.main", "submit", "echo", "--input", '{"x": 2}',
          "--delay", "1.5", "--database-url", f"sqlite:///{database}", "--json"],
         cwd=REPO, capture_output=True, text=True, timeout=60,
     )

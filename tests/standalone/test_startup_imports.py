@@ -12,10 +12,13 @@ def test_the_profile_loads_no_web_framework_and_task_code_still_can() -> None:
     script = textwrap.dedent(
         """
         import sys
-        from adapters.cli.standalone_cmds import UNUSED_INTEGRATIONS, _without_unused_integrations
+        from ql3.adapters.cli.standalone_cmds import (
+            UNUSED_INTEGRATIONS,
+            _without_unused_integrations,
+        )
 
         with _without_unused_integrations():
-            from bootstrap import edge, standalone  # noqa: F401
+            from ql3.bootstrap import edge, standalone  # noqa: F401
         assert "dependency_injector.containers" in sys.modules
         loaded = [name for name in UNUSED_INTEGRATIONS if name in sys.modules]
         assert loaded == [], loaded
@@ -36,10 +39,10 @@ def test_an_integration_already_imported_stays_as_it_was() -> None:
         """
         import sys
         import starlette
-        from adapters.cli.standalone_cmds import _without_unused_integrations
+        from ql3.adapters.cli.standalone_cmds import _without_unused_integrations
 
         with _without_unused_integrations():
-            from bootstrap import standalone  # noqa: F401
+            from ql3.bootstrap import standalone  # noqa: F401
         assert sys.modules["starlette"] is starlette
         print("ok")
         """

@@ -12,11 +12,11 @@ from typing import Any
 
 import pytest
 
-from application.admission import AdmissionRequest
-from application.queries import RunQueries
-from bootstrap import standalone
-from domain.model import AttemptStatus, RunStatus
-from domain.policy import Backoff, RetryPolicy, Safety
+from ql3.application.admission import AdmissionRequest
+from ql3.application.queries import RunQueries
+from ql3.bootstrap import standalone
+from ql3.domain.model import AttemptStatus, RunStatus
+from ql3.domain.policy import Backoff, RetryPolicy, Safety
 from tests.standalone.support import wait_for
 from tests.standalone.tasks import TASKS
 

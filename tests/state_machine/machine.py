@@ -2,7 +2,7 @@
 
 ``make_machine(store_factory)`` returns a ``RuleBasedStateMachine`` class. ``store_factory()``
 must return ``(store, advance_clock)``: a fresh, empty store implementing
-:class:`application.ports.RuntimeStore` and a callable that moves the store's clock forward by
+:class:`ql3.application.ports.RuntimeStore` and a callable that moves the store's clock forward by
 a number of milliseconds. The machine drives the real application services (admission, the
 worker protocol of ADR 0007, the dispatch gate, the cluster coordinator, startup recovery) and
 keeps a small model beside the store: the sessions and their secrets, every fence a claim ever
@@ -33,21 +33,21 @@ from hypothesis.stateful import (
     rule,
 )
 
-from application.admission import Admission, AdmissionRequest, UnknownRun
-from application.dispatch import DispatchGateStep
-from application.history import HistoryPruning
-from application.lost_retry import LostRetry
-from application.ports import DispatchGate, PrunedRows, RuntimeStore
-from application.recovery import RuntimeRecovery
-from application.scheduler import (
+from ql3.application.admission import Admission, AdmissionRequest, UnknownRun
+from ql3.application.dispatch import DispatchGateStep
+from ql3.application.history import HistoryPruning
+from ql3.application.lost_retry import LostRetry
+from ql3.application.ports import DispatchGate, PrunedRows, RuntimeStore
+from ql3.application.recovery import RuntimeRecovery
+from ql3.application.scheduler import (
     ClusterSchedulerCoordinator,
     NoTriggerSchedule,
     NoWorkflowFrontier,
     SchedulerCoordinator,
 )
-from application.startup import StartupRecovery
-from application.task_limits import TaskLimits
-from application.worker_commands import (
+from ql3.application.startup import StartupRecovery
+from ql3.application.task_limits import TaskLimits
+from ql3.application.worker_commands import (
     Abandonment,
     BatchAnswer,
     BatchOutcome,
@@ -59,10 +59,10 @@ from application.worker_commands import (
     Release,
     WorkerCommands,
 )
-from domain.errors import FenceReason, InvalidTransition, SessionRejected
-from domain.events import EventType
-from domain.fence import LeaseFence, hash_token
-from domain.model import (
+from ql3.domain.errors import FenceReason, InvalidTransition, SessionRejected
+from ql3.domain.events import EventType
+from ql3.domain.fence import LeaseFence, hash_token
+from ql3.domain.model import (
     TERMINAL_ATTEMPT_STATUSES,
     Attempt,
     AttemptStatus,
@@ -73,8 +73,8 @@ from domain.model import (
     RunStatus,
     SessionStatus,
 )
-from domain.policy import RETRYABLE_SAFETY, Backoff, RetryPolicy, Safety
-from domain.states import (
+from ql3.domain.policy import RETRYABLE_SAFETY, Backoff, RetryPolicy, Safety
+from ql3.domain.states import (
     OPEN_SESSION_STATUSES,
     RECOVERABLE_RUN_STATUSES,
 )

@@ -33,22 +33,22 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from adapters.memory import FakeClock, MemoryStore
-from application.admission import Admission
-from application.dispatch import DispatchGateStep
-from application.lost_retry import LostRetry
-from application.ports import DispatchGate
-from application.recovery import RuntimeRecovery
-from application.scheduler import (
+from ql3.adapters.memory import FakeClock, MemoryStore
+from ql3.application.admission import Admission
+from ql3.application.dispatch import DispatchGateStep
+from ql3.application.lost_retry import LostRetry
+from ql3.application.ports import DispatchGate
+from ql3.application.recovery import RuntimeRecovery
+from ql3.application.scheduler import (
     ClusterSchedulerCoordinator,
     NoTriggerSchedule,
     NoWorkflowFrontier,
     SchedulerCoordinator,
 )
-from application.startup import StartupRecovery
-from application.worker_commands import Abandonment, Completion, Release, WorkerCommands
-from domain.fence import LeaseFence
-from domain.policy import Backoff, RetryPolicy, Safety
+from ql3.application.startup import StartupRecovery
+from ql3.application.worker_commands import Abandonment, Completion, Release, WorkerCommands
+from ql3.domain.fence import LeaseFence
+from ql3.domain.policy import Backoff, RetryPolicy, Safety
 from tests.application.support import CountingIdentities, store_view
 
 EXAMPLES = 25
@@ -133,7 +133,7 @@ class PaddedIdentities(CountingIdentities):
 
 
 class Side:
-    """One store with the same service graph ``bootstrap.cluster`` declares."""
+    """One store with the same service graph ``ql3.bootstrap.cluster`` declares."""
 
     def __init__(self, name: str, store: Any, advance: Callable[[int], Any]) -> None:
         self.name = name
@@ -412,7 +412,7 @@ def make_differential(factory: Callable[[], Side]) -> type[RuleBasedStateMachine
 
 @pytest.fixture(scope="module")
 def pg_store(pg_database_url: str) -> Iterator[Any]:
-    from adapters.postgres.store import PostgresStore
+    from ql3.adapters.postgres.store import PostgresStore
 
     store = PostgresStore.from_url(pg_database_url, create_schema=True)
     try:

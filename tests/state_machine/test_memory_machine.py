@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import run_state_machine_as_test
 
-from adapters.memory import FakeClock, MemoryStore
+from ql3.adapters.memory import FakeClock, MemoryStore
 from tests.state_machine.machine import STATS, make_machine
 
 EXAMPLES = 200

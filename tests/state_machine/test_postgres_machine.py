@@ -20,7 +20,7 @@ EXAMPLES = 40
 
 @pytest.fixture(scope="module")
 def pg_store(pg_database_url: str) -> Iterator[object]:
-    from adapters.postgres.store import PostgresStore
+    from ql3.adapters.postgres.store import PostgresStore
 
     store = PostgresStore.from_url(pg_database_url, create_schema=True)
     try:

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import run_state_machine_as_test
 
-from adapters.sql.sqlite import SqliteStore
+from ql3.adapters.sql.sqlite import SqliteStore
 from tests.state_machine.machine import STATS, make_machine
 
 EXAMPLES = 40

@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 
-from application.scheduler import ClusterSchedulerCoordinator
-from application.triggers import TriggerDefinition
-from domain.events import EventType
-from domain.model import RunStatus
-from domain.policy import Backoff, RetryPolicy, Safety
+from ql3.application.scheduler import ClusterSchedulerCoordinator
+from ql3.application.triggers import TriggerDefinition
+from ql3.domain.events import EventType
+from ql3.domain.model import RunStatus
+from ql3.domain.policy import Backoff, RetryPolicy, Safety
 from tests.scheduling_support import Runtime, WorkerDriver, runtime
 
 MINUTE = 60_000

@@ -6,8 +6,8 @@ import datetime as dt
 
 import pytest
 
-from adapters.cron import CroniterCalendar
-from domain.errors import InvalidTrigger
+from ql3.adapters.cron import CroniterCalendar
+from ql3.domain.errors import InvalidTrigger
 
 NOON = int(dt.datetime(2026, 3, 2, 12, 0, tzinfo=dt.UTC).timestamp() * 1000)
 MINUTE = 60_000

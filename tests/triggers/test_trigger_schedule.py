@@ -10,15 +10,15 @@ from typing import Any
 import pytest
 from attrs import evolve
 
-from adapters.cron import CroniterCalendar
-from application.identities import RandomIdentities
-from application.triggers import TriggerDefinition, TriggerSchedule, UnknownTrigger
-from domain.errors import ConcurrencyConflict, InvalidTransition, InvalidTrigger
-from domain.events import EventType
-from domain.model import RunOwner, RunStatus
-from domain.policy import RetryPolicy, Safety
-from domain.transitions import admit
-from domain.triggers import MISFIRE_GRACE_MS, CatchUp, Trigger, TriggerFiring, TriggerStatus
+from ql3.adapters.cron import CroniterCalendar
+from ql3.application.identities import RandomIdentities
+from ql3.application.triggers import TriggerDefinition, TriggerSchedule, UnknownTrigger
+from ql3.domain.errors import ConcurrencyConflict, InvalidTransition, InvalidTrigger
+from ql3.domain.events import EventType
+from ql3.domain.model import RunOwner, RunStatus
+from ql3.domain.policy import RetryPolicy, Safety
+from ql3.domain.transitions import admit
+from ql3.domain.triggers import MISFIRE_GRACE_MS, CatchUp, Trigger, TriggerFiring, TriggerStatus
 from tests.scheduling_support import Runtime, runtime
 
 SECOND = 1_000
@@ -278,9 +278,9 @@ def test_the_firing_key_is_unique_and_trigger_writes_are_compare_and_set(
 def _replica_store(store: Any, request: pytest.FixtureRequest) -> Any:
     """PostgreSQL: a store of its own (engine, pool) on the same database, as another replica
     has. Stores whose transactions hold the whole database are shared by the threads."""
-    if not type(store).__module__.startswith("adapters.postgres."):
+    if not type(store).__module__.startswith("ql3.adapters.postgres."):
         return store
-    from adapters.postgres.store import PostgresStore
+    from ql3.adapters.postgres.store import PostgresStore
 
     replica = PostgresStore.from_url(request.getfixturevalue("pg_database_url"), pool_size=2)
     replica.testing_advance_clock(store.clock_offset_ms)

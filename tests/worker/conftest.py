@@ -21,11 +21,11 @@ from typing import Any
 import pytest
 import uvicorn
 
-from adapters.memory import FakeClock, MemoryStore
-from adapters.worker.settings import WorkerSettings
-from application.admission import Admission
-from application.identities import RandomIdentities
-from bootstrap import node as node_root
+from ql3.adapters.memory import FakeClock, MemoryStore
+from ql3.adapters.worker.settings import WorkerSettings
+from ql3.application.admission import Admission
+from ql3.application.identities import RandomIdentities
+from ql3.bootstrap import node as node_root
 from tests.worker.fakes import WorkerThread
 
 __all__ = ["WorkerThread"]

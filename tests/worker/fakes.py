@@ -30,10 +30,10 @@ from typing import Any
 
 import httpx
 
-from adapters.worker.client import IngressClient
-from adapters.worker.runtime import Worker
-from adapters.worker.settings import WorkerSettings
-from adapters.worker.slot import Job, JobOutcome, SlotError
+from ql3.adapters.worker.client import IngressClient
+from ql3.adapters.worker.runtime import Worker
+from ql3.adapters.worker.settings import WorkerSettings
+from ql3.adapters.worker.slot import Job, JobOutcome, SlotError
 
 URL = "http://fake-node"
 SECRET = "s" * 32

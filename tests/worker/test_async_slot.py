@@ -7,7 +7,7 @@ import threading
 import time
 from pathlib import Path
 
-from adapters.worker.slot import Job, JobOutcome, SlotProcess
+from ql3.adapters.worker.slot import Job, JobOutcome, SlotProcess
 
 
 def _job(task: str, payload: object, attempt_id: str) -> Job:

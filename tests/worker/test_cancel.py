@@ -10,10 +10,10 @@ import time
 
 import pytest
 
-from adapters.worker.client import BatchResult, ItemAnswer
-from adapters.worker.ledger import Ledger, Phase
-from adapters.worker.slot import JobOutcome
-from domain.model import AttemptStatus, LeaseStatus, ReleaseReason, RunStatus
+from ql3.adapters.worker.client import BatchResult, ItemAnswer
+from ql3.adapters.worker.ledger import Ledger, Phase
+from ql3.adapters.worker.slot import JobOutcome
+from ql3.domain.model import AttemptStatus, LeaseStatus, ReleaseReason, RunStatus
 from tests.worker.conftest import LEASE_TTL_S, LocalNode, WorkerThread, worker_settings
 from tests.worker.conftest import Ledger as SideEffects
 from tests.worker.test_claims import _answer, _grant, _Slot

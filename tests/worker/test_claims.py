@@ -13,9 +13,9 @@ from typing import Any
 import httpx
 import pytest
 
-from adapters.worker.client import IngressClient, IngressRefused, IngressUnavailable
-from adapters.worker.ledger import Ledger, Mode, Phase
-from adapters.worker.settings import WorkerFailed, WorkerSettings
+from ql3.adapters.worker.client import IngressClient, IngressRefused, IngressUnavailable
+from ql3.adapters.worker.ledger import Ledger, Mode, Phase
+from ql3.adapters.worker.settings import WorkerFailed, WorkerSettings
 from tests.worker.fakes import URL, FakeChildren, FakeNode, WorkerThread
 
 
@@ -378,7 +378,7 @@ class _Slot:
 
 
 def _grant(attempt_id: str, expires_in_ms: int = 3000) -> Any:
-    from adapters.worker.client import GrantData
+    from ql3.adapters.worker.client import GrantData
 
     return GrantData(
         run_id="r-" + attempt_id,
@@ -395,7 +395,7 @@ def _grant(attempt_id: str, expires_in_ms: int = 3000) -> Any:
 
 
 def _answer(grants: list[Any], completed: dict[str, Any] | None = None) -> Any:
-    from adapters.worker.client import ClaimResult
+    from ql3.adapters.worker.client import ClaimResult
 
     return ClaimResult(
         now_ms=1_000,
@@ -410,7 +410,7 @@ def _answer(grants: list[Any], completed: dict[str, Any] | None = None) -> Any:
 
 
 def test_the_ledger_asks_for_free_slots_within_the_capacity() -> None:
-    from adapters.worker.slot import JobOutcome
+    from ql3.adapters.worker.slot import JobOutcome
 
     ledger = Ledger(capacity=2)
     slots = [_Slot(0), _Slot(1)]
@@ -440,8 +440,8 @@ def test_the_ledger_asks_for_free_slots_within_the_capacity() -> None:
 
 
 def test_the_ledger_keeps_an_attempt_held_until_its_report_is_answered() -> None:
-    from adapters.worker.client import ItemAnswer
-    from adapters.worker.slot import JobOutcome
+    from ql3.adapters.worker.client import ItemAnswer
+    from ql3.adapters.worker.slot import JobOutcome
 
     ledger = Ledger(capacity=1)
     slot = _Slot(0)

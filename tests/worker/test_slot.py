@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from adapters.worker.slot import Job, SlotError, SlotProcess
+from ql3.adapters.worker.slot import Job, SlotError, SlotProcess
 from tests.worker.conftest import Ledger
 
 

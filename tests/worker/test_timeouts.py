@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import os
 
-from application.admission import AdmissionRequest
-from domain.model import AttemptStatus, LeaseStatus, ReleaseReason, RunStatus
-from domain.policy import Backoff, RetryPolicy, Safety
+from ql3.application.admission import AdmissionRequest
+from ql3.domain.model import AttemptStatus, LeaseStatus, ReleaseReason, RunStatus
+from ql3.domain.policy import Backoff, RetryPolicy, Safety
 from tests.worker.conftest import Ledger, LocalNode, WorkerThread, worker_settings
 
 RETRY = RetryPolicy(

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import time
 
-from adapters.worker.client import IngressClient
-from adapters.worker.settings import WorkerFailed
-from domain.model import AttemptStatus, LeaseStatus, ReleaseReason, RunStatus, SessionStatus
-from domain.policy import Backoff, RetryPolicy, Safety
+from ql3.adapters.worker.client import IngressClient
+from ql3.adapters.worker.settings import WorkerFailed
+from ql3.domain.model import AttemptStatus, LeaseStatus, ReleaseReason, RunStatus, SessionStatus
+from ql3.domain.policy import Backoff, RetryPolicy, Safety
 from tests.worker.conftest import (
     LEASE_TTL_S,
     Ledger,

@@ -11,9 +11,9 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from adapters.memory import MemoryStore
-from domain.events import EventType
-from domain.model import RunStatus
+from ql3.adapters.memory import MemoryStore
+from ql3.domain.events import EventType
+from ql3.domain.model import RunStatus
 from tests.scheduling_support import WorkerDriver, runtime
 
 

@@ -9,11 +9,11 @@ from typing import Any
 
 import pytest
 
-from application.queries import RunQueries
-from domain.errors import InvalidWorkflow
-from domain.events import EventType
-from domain.model import RunOwner, RunStatus
-from domain.workflows import StepStatus
+from ql3.application.queries import RunQueries
+from ql3.domain.errors import InvalidWorkflow
+from ql3.domain.events import EventType
+from ql3.domain.model import RunOwner, RunStatus
+from ql3.domain.workflows import StepStatus
 from tests.scheduling_support import Runtime, WorkerDriver, runtime
 
 TTL_S = 30.0

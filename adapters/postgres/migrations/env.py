@@ -1,6 +1,6 @@
 """Alembic environment of the PostgreSQL store.
 
-``adapters.postgres.migrate`` passes an open connection in ``config.attributes["connection"]``;
+``ql3.adapters.postgres.migrate`` passes an open connection in ``config.attributes["connection"]``;
 without one (the ``alembic`` command line) the ``sqlalchemy.url`` option is used.
 """
 
@@ -10,7 +10,7 @@ from alembic import context
 from sqlalchemy import Connection, create_engine
 from sqlalchemy.pool import NullPool
 
-from adapters.sql.schema import metadata
+from ql3.adapters.sql.schema import metadata
 
 config = context.config
 

@@ -1,7 +1,7 @@
 """What every connection to a QL3 SQLite database shares, with or without SQLAlchemy: the schema
 version the store keeps in ``PRAGMA user_version``, the settings of a new connection and the
-host clock. The store (:mod:`adapters.sql.sqlite.store`) and the submit-only store
-(:mod:`adapters.sql.sqlite.submit`) both take them from here."""
+host clock. The store (:mod:`ql3.adapters.sql.sqlite.store`) and the submit-only store
+(:mod:`ql3.adapters.sql.sqlite.submit`) both take them from here."""
 
 from __future__ import annotations
 

@@ -4,8 +4,8 @@ batch of Changes, as ADR 0006 does for PostgreSQL (decisions 3 and 4).
 Every worker command, every claim and every startup-recovery candidate goes through these. Built
 as SQLAlchemy Core statements they cost several times the CPU SQLite spends on them (statement
 construction, compilation cache keys, row mapping), so each is one SQL text, generated once per
-shape from the same table metadata (:mod:`adapters.sql.schema`) and run on the unit of work's
-driver connection (:meth:`adapters.sql.sqlite.store.SqliteUnitOfWork.execute_sql`):
+shape from the same table metadata (:mod:`ql3.adapters.sql.schema`) and run on the unit of work's
+driver connection (:meth:`ql3.adapters.sql.sqlite.store.SqliteUnitOfWork.execute_sql`):
 
 - :func:`lock_attempts_sql` reads Attempts with their Runs and their leases (the Attempt's own
   generation, or the Run's latest lease while the Attempt has none), the ids given as one JSON
@@ -17,7 +17,7 @@ driver connection (:meth:`adapters.sql.sqlite.store.SqliteUnitOfWork.execute_sql
   fence, so a batch whose total of touched rows falls short of its items lost a race.
 
 Time columns are integer epoch milliseconds in SQLite already (as
-:class:`adapters.sql.schema.EpochMillis` stores them); JSON columns travel as JSON text, as the
+:class:`ql3.adapters.sql.schema.EpochMillis` stores them); JSON columns travel as JSON text, as the
 Core path's ``JSON`` type writes and reads them.
 """
 
@@ -30,9 +30,9 @@ from typing import Any
 
 from sqlalchemy import JSON, Table
 
-from adapters.sql import rows
-from adapters.sql.merge import merge_by_run
-from adapters.sql.schema import (
+from ql3.adapters.sql import rows
+from ql3.adapters.sql.merge import merge_by_run
+from ql3.adapters.sql.schema import (
     DISPATCH_GATE_ID,
     dispatch_gate,
     in_declared_order,
@@ -42,10 +42,10 @@ from adapters.sql.schema import (
     runs,
     worker_sessions,
 )
-from adapters.sql.statements import ATTEMPT_COLUMNS, LEASE_COLUMNS, RUN_COLUMNS
-from domain.errors import ConcurrencyConflict
-from domain.model import AttemptStatus, LeaseStatus
-from domain.states import CLAIMABLE_RUN_STATUSES
+from ql3.adapters.sql.statements import ATTEMPT_COLUMNS, LEASE_COLUMNS, RUN_COLUMNS
+from ql3.domain.errors import ConcurrencyConflict
+from ql3.domain.model import AttemptStatus, LeaseStatus
+from ql3.domain.states import CLAIMABLE_RUN_STATUSES
 
 Row = dict[str, Any]
 
@@ -101,7 +101,7 @@ _LATEST_LEASE = "(SELECT max(m.generation) FROM run_dispatch_leases m WHERE m.ru
 def lock_attempts_sql() -> str:
     """Attempts named in the JSON array ``:ids``, each with its Run and its lease: the one of the
     Attempt's generation, or the Run's highest-generation lease while the Attempt has none (as
-    :meth:`~adapters.sql.sqlite.store.SqliteRunRepository.lock_attempt` reads them). The
+    :meth:`~ql3.adapters.sql.sqlite.store.SqliteRunRepository.lock_attempt` reads them). The
     transaction holds the database's write lock: there is nothing else to lock."""
     latest = _LATEST_LEASE.format(run="a.run_id")
     return (
@@ -126,8 +126,8 @@ def latest_lease_sql() -> str:
 
 
 def _pristine(a: str) -> str:
-    """Mirror of :attr:`domain.model.Attempt.is_pristine`, as :func:`adapters.sql.statements.
-    pristine`."""
+    """Mirror of :attr:`ql3.domain.model.Attempt.is_pristine`, as
+    :func:`ql3.adapters.sql.statements. pristine`."""
     nulls = ("session_id", "worker_id", "lease_generation", "offered_at", "accepted_at")
     return " AND ".join(
         [f"{a}.status = {_literal(AttemptStatus.CLAIMED)}"]

@@ -1,5 +1,5 @@
 """The SQLite store's own SQL statements, as SQLAlchemy Core constructs on the shared tables:
-its candidate pages, its due times, and the shared statements of :mod:`adapters.sql.statements`
+its candidate pages, its due times, and the shared statements of :mod:`ql3.adapters.sql.statements`
 in its spelling (:data:`SQLITE`).
 
 The store's clock is read in Python by the store and bound into each statement as ``now`` (epoch
@@ -16,18 +16,18 @@ from typing import Any, cast
 from sqlalchemy import ColumnElement, Delete, Insert, Select, Update, delete, func, literal, select
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
-from adapters.sql import statements
-from adapters.sql.schema import (
+from ql3.adapters.sql import statements
+from ql3.adapters.sql.schema import (
     metadata,
     run_dispatch_leases,
     runs,
     triggers,
 )
-from adapters.sql.statements import Spelling
-from application.ports import OPEN_GATE
-from domain.dispatch import TaskLimit
-from domain.model import DispatchLease, LeaseStatus, RunOwner, RunStatus
-from domain.triggers import TriggerStatus
+from ql3.adapters.sql.statements import Spelling
+from ql3.application.ports import OPEN_GATE
+from ql3.domain.dispatch import TaskLimit
+from ql3.domain.model import DispatchLease, LeaseStatus, RunOwner, RunStatus
+from ql3.domain.triggers import TriggerStatus
 
 # Status constants bound, text ids in the default (binary) order.
 SQLITE = Spelling(inline_constants=False, id_collation=None)

@@ -1,4 +1,4 @@
-"""The Standalone and Edge store: every port of :mod:`application.ports` on an embedded SQLite
+"""The Standalone and Edge store: every port of :mod:`ql3.application.ports` on an embedded SQLite
 database, on the same SQLAlchemy Core tables as the PostgreSQL store.
 
 Transactions
@@ -14,7 +14,7 @@ Locks
 Writes
     Every write is a compare-and-set; a write that matches no row, and every unique, check or
     foreign-key violation (foreign keys are enforced), is raised as
-    :class:`~domain.errors.ConcurrencyConflict`. A multi-row write runs under a savepoint, so a
+    :class:`~ql3.domain.errors.ConcurrencyConflict`. A multi-row write runs under a savepoint, so a
     refused write leaves nothing behind and the transaction usable.
 Time
     The store's clock is this host's clock, read by the store (never by the domain), never going
@@ -22,7 +22,7 @@ Time
 Wake-ups
     A commit that admits a Run, puts one into ``queued`` (a hand-back, the next Attempt of a
     retry, a first Attempt) or changes a trigger pokes the database's wake channel
-    (:mod:`adapters.sql.sqlite.wake`), so an idle executing process starts at once without
+    (:mod:`ql3.adapters.sql.sqlite.wake`), so an idle executing process starts at once without
     polling.
 Schema
     ``PRAGMA user_version`` is :data:`SCHEMA_VERSION`. A database of version 1 (before the
@@ -61,29 +61,29 @@ from sqlalchemy.exc import DBAPIError, StatementError
 from sqlalchemy.pool import StaticPool
 from sqlalchemy.sql import Executable
 
-from adapters.sql import operations, rows, statements
-from adapters.sql.history import SqlHistoryRepository
-from adapters.sql.repositories import (
+from ql3.adapters.sql import operations, rows, statements
+from ql3.adapters.sql.history import SqlHistoryRepository
+from ql3.adapters.sql.repositories import (
     SqlEvidenceRepository,
     SqlGateRepository,
     SqlRunRepository,
     SqlSessionRegistry,
     check_page_limit,
 )
-from adapters.sql.schema import metadata, runs, worker_sessions
-from adapters.sql.sqlite import hot, queries
-from adapters.sql.sqlite.connection import (
+from ql3.adapters.sql.schema import metadata, runs, worker_sessions
+from ql3.adapters.sql.sqlite import hot, queries
+from ql3.adapters.sql.sqlite.connection import (
     SCHEMA_VERSION,
     UPGRADABLE_VERSIONS,
     connection_pragmas,
     host_now_ms,
 )
-from adapters.sql.sqlite.wake import poke, wake_path_for
-from adapters.sql.statements import ATTEMPT_COLUMNS, LEASE_COLUMNS, RUN_COLUMNS
-from adapters.sql.transaction import ConnectionTransaction, conflicts_translated
-from adapters.sql.triggers import SqlTriggerRepository, due_triggers_query
-from adapters.sql.workflows import SqlWorkflowRepository, workflow_candidates_query
-from application.ports import (
+from ql3.adapters.sql.sqlite.wake import poke, wake_path_for
+from ql3.adapters.sql.statements import ATTEMPT_COLUMNS, LEASE_COLUMNS, RUN_COLUMNS
+from ql3.adapters.sql.transaction import ConnectionTransaction, conflicts_translated
+from ql3.adapters.sql.triggers import SqlTriggerRepository, due_triggers_query
+from ql3.adapters.sql.workflows import SqlWorkflowRepository, workflow_candidates_query
+from ql3.application.ports import (
     OPEN_GATE,
     ClaimLock,
     DispatchGate,
@@ -104,18 +104,18 @@ from application.ports import (
     WorkflowRepository,
     no_connection_hold,
 )
-from domain.dispatch import TaskLimit
-from domain.errors import ConcurrencyConflict
-from domain.model import (
+from ql3.domain.dispatch import TaskLimit
+from ql3.domain.errors import ConcurrencyConflict, Error
+from ql3.domain.model import (
     AttemptStatus,
     DispatchLease,
     WorkerSession,
 )
-from domain.transitions import Change
-from domain.triggers import Trigger
+from ql3.domain.transitions import Change
+from ql3.domain.triggers import Trigger
 
 if TYPE_CHECKING:
-    from application.ports import SchedulerStore, SchedulerUnitOfWork
+    from ql3.application.ports import SchedulerStore, SchedulerUnitOfWork
 
 __all__ = ["SCHEMA_VERSION", "SchemaMismatch", "SqliteStore", "SqliteUnitOfWork"]
 
@@ -123,7 +123,7 @@ MEMORY = ":memory:"
 BEGIN_OPTION = "ql3_sqlite_begin"
 
 
-class SchemaMismatch(RuntimeError):
+class SchemaMismatch(Error, RuntimeError):
     """The database file was made by another schema version (or is not a QL3 database)."""
 
 
@@ -232,7 +232,7 @@ class SqliteUnitOfWork(ConnectionTransaction):
         self, sql: str, params: Sequence[Any] | dict[str, Any], label: str
     ) -> list[hot.Row]:
         """Plain SQL straight on the driver's connection, in this transaction (the hot paths of
-        :mod:`adapters.sql.sqlite.hot`); the rows as dictionaries by column label. Driver
+        :mod:`ql3.adapters.sql.sqlite.hot`); the rows as dictionaries by column label. Driver
         errors are raised in SQLAlchemy's exception classes, as on the Core path."""
         driver = self._require_driver()
         try:
@@ -318,8 +318,8 @@ class SqliteRunRepository(SqlRunRepository[SqliteUnitOfWork]):
         """Read under the transaction's database lock, which no other writer shares: the
         session, the leases it holds, the gate and, while it is open, each task's oldest
         claimable Attempts with their Runs' latest leases (the first of those never changed and
-        of those handed back, merged; see :func:`adapters.sql.sqlite.hot.claimable_sql`), and the
-        limits of their tasks."""
+        of those handed back, merged; see :func:`ql3.adapters.sql.sqlite.hot.claimable_sql`), and
+        the limits of their tasks."""
         uow = self._uow
         now_ms = uow.now_ms()
         found = uow.execute_sql(hot.claim_session_sql(), {"session_id": session_id}, "claim")
@@ -393,7 +393,7 @@ class SqliteRunRepository(SqlRunRepository[SqliteUnitOfWork]):
 
     def apply_many(self, writes: Sequence[tuple[Snapshot, Change]]) -> None:
         """Every Change of the batch, all or nothing, under a savepoint: a few statements of one
-        shape each (:class:`adapters.sql.sqlite.hot.ApplyMany`), every update a compare-and-set
+        shape each (:class:`ql3.adapters.sql.sqlite.hot.ApplyMany`), every update a compare-and-set
         that must touch each of its rows."""
         if not writes:
             return
@@ -624,7 +624,7 @@ class SqliteStore:
         return SqliteUnitOfWork(self)
 
     def holding_connection(self) -> AbstractContextManager[None]:
-        """The :class:`~application.ports.ConnectionHold`: nothing to hold here."""
+        """The :class:`~ql3.application.ports.ConnectionHold`: nothing to hold here."""
         return no_connection_hold()
 
     def close(self) -> None:

@@ -2,13 +2,14 @@
 alone, into an existing database of this schema version (ADR 0009).
 
 It offers what admission needs of a unit of work and nothing else
-(:class:`application.ports.AdmissionUnitOfWork`): one connection set up as the store sets up
-its own (:func:`adapters.sql.sqlite.connection.connection_pragmas`), one ``BEGIN IMMEDIATE``
+(:class:`ql3.application.ports.AdmissionUnitOfWork`): one connection set up as the store sets up
+its own (:func:`ql3.adapters.sql.sqlite.connection.connection_pragmas`), one ``BEGIN IMMEDIATE``
 transaction, the host clock, the unfinished Runs holding unique keys, and the INSERTs of the
-store (:mod:`adapters.sql.submit_sql`, generated from its statements) under a savepoint, with the
-row values of :mod:`adapters.sql.rows`. Its commit pokes the database's wake channel, as the
+store (:mod:`ql3.adapters.sql.submit_sql`, generated from its statements) under a savepoint, with
+the row values of :mod:`ql3.adapters.sql.rows`. Its commit pokes the database's wake channel, as the
 store's does after an admission. A database that is missing or has another schema version is
-left to :class:`adapters.sql.sqlite.store.SqliteStore`, which creates, upgrades or refuses it."""
+left to :class:`ql3.adapters.sql.sqlite.store.SqliteStore`, which creates, upgrades or refuses
+it."""
 
 from __future__ import annotations
 
@@ -19,11 +20,11 @@ from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
-from adapters.sql import rows, submit_sql
-from adapters.sql.sqlite.connection import SCHEMA_VERSION, connection_pragmas, host_now_ms
-from adapters.sql.sqlite.wake import poke, wake_path_for
-from domain.errors import ConcurrencyConflict
-from domain.transitions import Change
+from ql3.adapters.sql import rows, submit_sql
+from ql3.adapters.sql.sqlite.connection import SCHEMA_VERSION, connection_pragmas, host_now_ms
+from ql3.adapters.sql.sqlite.wake import poke, wake_path_for
+from ql3.domain.errors import ConcurrencyConflict
+from ql3.domain.transitions import Change
 
 _SAVEPOINT = "ql3_admission"
 
@@ -96,7 +97,7 @@ class SqliteSubmitUnitOfWork:
 
 
 class SqliteSubmitRuns:
-    """The Runs of admission: :class:`application.ports.AdmissionRuns`."""
+    """The Runs of admission: :class:`ql3.application.ports.AdmissionRuns`."""
 
     def __init__(self, uow: SqliteSubmitUnitOfWork) -> None:
         self._uow = uow

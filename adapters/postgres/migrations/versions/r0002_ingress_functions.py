@@ -7,7 +7,7 @@ functions are the only way the ingress can write, and each one
 
 1. takes the locks the runtime's own store takes, in the same order: the Attempt's
    transaction-level advisory lock (``pg_advisory_xact_lock(0x514C33, hashtext(attempt_id))``,
-   as :mod:`adapters.postgres.queries`), then the Run, Attempt and lease rows;
+   as :mod:`ql3.adapters.postgres.queries`), then the Run, Attempt and lease rows;
 2. re-checks the compare-and-set preconditions of the port contract against what the caller read
    (statuses, attempt count, lease generation, version and token hash, the acting session's
    status and secret hash) and the fence (the lease is ``leased``, held by that session and, where
@@ -45,7 +45,7 @@ branch_labels = None
 depends_on = None
 
 # The first key of the store's two-key advisory locks ("QL3" in ASCII), frozen here as a literal;
-# a test checks it against adapters.postgres.queries.ADVISORY_LOCK_NAMESPACE.
+# a test checks it against ql3.adapters.postgres.queries.ADVISORY_LOCK_NAMESPACE.
 ADVISORY_LOCK_NAMESPACE = 5327923
 MAX_BATCH_ITEMS = 256
 # A lease may be moved to at most this far past the database's clock by the ingress: even a

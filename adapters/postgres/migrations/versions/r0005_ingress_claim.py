@@ -38,7 +38,7 @@ may make, under the locks the runtime's own store takes. This revision
   the claims after every other item, so that a completion or hand-back frees its slot before the
   claims of the same call count the session's leases.
 
-Status lists are frozen here as literals; a test checks them against ``domain.states``.
+Status lists are frozen here as literals; a test checks them against ``ql3.domain.states``.
 
 Revision ID: 0005_ingress_claim
 Revises: 0004_dispatch_gate
@@ -67,7 +67,7 @@ DISPATCH_CHANNEL = "ql3_dispatch"
 # many more for those other transactions hold.
 CLAIM_PAGE_SLACK = 16
 
-# Frozen status sets (checked against domain.states by a test).
+# Frozen status sets (checked against ql3.domain.states by a test).
 CLAIMABLE_RUN_STATUSES = ("queued",)
 HANDED_BACK_RUN_STATUSES = ("dispatching", "running")
 LOSABLE_RUN_STATUSES = ("dispatching", "lost", "running")
@@ -77,7 +77,7 @@ STARTED_ATTEMPT_STATUSES = ("running", "starting")
 
 # What each worker transition the functions take moves: (Run statuses from, Run status to,
 # Attempt statuses from, Attempt status to). A test checks every pair against the domain's
-# state diagrams (domain.states.RUN_EDGES, ATTEMPT_EDGES).
+# state diagrams (ql3.domain.states.RUN_EDGES, ATTEMPT_EDGES).
 WORKER_TRANSITIONS: dict[str, tuple[tuple[str, ...], str, tuple[str, ...], str]] = {
     "attempt_started": (CLAIMABLE_RUN_STATUSES, "running", ("claimed",), "running"),
     "attempt_released": (
@@ -116,7 +116,7 @@ def _list(values: tuple[str, ...]) -> str:
 
 
 def _pristine(alias: str) -> str:
-    """The SQL condition of a pristine Attempt (``domain.model.Attempt.is_pristine``)."""
+    """The SQL condition of a pristine Attempt (``ql3.domain.model.Attempt.is_pristine``)."""
     nulls = (c for c in CLAIM_FACTS if c != "lease_version")
     return f"{alias}.status = 'claimed' AND " + " AND ".join(f"{alias}.{c} IS NULL" for c in nulls)
 

@@ -17,8 +17,8 @@ retry makes Attempt N+1 when it is due. The ingress role writes only through fen
 
 The function's text is 0005's, edited at the places named below (each edit must match exactly
 once, so a changed base fails loudly); the downgrade puts 0005's text back. Status and safety
-lists are frozen here as literals; a test checks them against ``domain.states`` and
-``domain.policy``.
+lists are frozen here as literals; a test checks them against ``ql3.domain.states`` and
+``ql3.domain.policy``.
 
 Revision ID: 0010_ingress_outcomes
 Revises: 0009_job_columns
@@ -39,7 +39,7 @@ down_revision = "0009_job_columns"
 branch_labels = None
 depends_on = None
 
-# Frozen status and safety sets (checked against domain.states and domain.policy by a test).
+# Frozen status and safety sets (checked against ql3.domain.states and ql3.domain.policy by a test).
 STARTED_ATTEMPT_STATUSES = ("running", "starting")
 RETRYABLE_SAFETY = ("deduplicated", "idempotent")
 
@@ -49,7 +49,7 @@ RETRYABLE_SAFETY = ("deduplicated", "idempotent")
 WORKER_TRANSITIONS: dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...], str]] = {
     "attempt_failed": (("running",), ("failed", "retry_wait"), STARTED_ATTEMPT_STATUSES, "failed"),
 }
-# The keys of a failing completion's event data (domain.transitions.complete).
+# The keys of a failing completion's event data (ql3.domain.transitions.complete).
 FAILED_EVENT_KEYS = ("cause", "error", "next_attempt", "next_attempt_at_ms", "reason", "retry")
 
 

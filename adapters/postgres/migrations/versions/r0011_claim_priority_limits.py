@@ -13,7 +13,7 @@
   Attempts of that task hold a ``leased`` lease as its limit allows (the limit's row locked
   first, as by the claim's locks).
 
-Status lists are frozen here as literals; a test checks them against ``domain.states``.
+Status lists are frozen here as literals; a test checks them against ``ql3.domain.states``.
 
 Revision ID: 0011_claim_priority_limits
 Revises: 0010_ingress_outcomes

@@ -1,7 +1,7 @@
 """Unique submissions (ADR 0015): while a Run is unfinished, no other Run holds its unique key.
 
 - ``uq_runs_unique_key``: a partial unique index on ``runs(unique_key)`` over the Runs that
-  hold a key and are not finished (the non-terminal statuses of ``domain.states``, spelled as
+  hold a key and are not finished (the non-terminal statuses of ``ql3.domain.states``, spelled as
   the migration writes them). Admission reads a key through it, and the insert of a second
   replica that admits the same key at the same time waits for the first and is refused by it.
 
