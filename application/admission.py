@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ql3.domain.errors import ConcurrencyConflict, Error, InvalidAdmission
-from ql3.domain.model import JsonValue, RunOwner, RunStatus
+from ql3.domain.model import MAX_DELAY_MS, JsonValue, RunOwner, RunStatus
 from ql3.domain.policy import RetryPolicy
 from ql3.domain.transitions import Change, admit, cancel, due_time
 
@@ -41,8 +41,10 @@ def delay_ms(delay: float | dt.timedelta) -> int:
         seconds = float(delay)
     else:
         raise InvalidAdmission("a delay is a number of seconds or a timedelta")
-    if not math.isfinite(seconds) or seconds < 0:
-        raise InvalidAdmission("a delay must be a finite, non-negative number of seconds")
+    if not math.isfinite(seconds) or not 0 <= seconds * 1000 <= MAX_DELAY_MS:
+        raise InvalidAdmission(
+            f"a delay must be a finite number of seconds within 0..{MAX_DELAY_MS // 1000}"
+        )
     return round(seconds * 1000)
 
 

@@ -137,6 +137,7 @@ MIN_PRIORITY = -1_000_000
 MAX_PRIORITY = 1_000_000
 MAX_UNIQUE_KEY_LENGTH = 400
 MAX_TIMEOUT_MS = 30 * 24 * 3_600_000  # an execution timeout of at most 30 days (ADR 0013)
+MAX_DELAY_MS = 3650 * 24 * 3_600_000  # a delayed run is due at most 10 years after admission
 
 
 @frozen(kw_only=True)

@@ -10,6 +10,9 @@ from attrs import field, frozen
 from ql3.domain.errors import InvalidRetryPolicy
 
 MAX_ATTEMPTS_LIMIT = 1000
+# A backoff delay (initial or cap) of at most 30 days, and a growth of at most 100 times a step.
+MAX_BACKOFF_MS = 30 * 24 * 3_600_000
+MAX_BACKOFF_MULTIPLIER = 100.0
 
 
 class Safety(enum.Enum):
@@ -34,14 +37,20 @@ class Backoff:
     jitter: float = 0.0
 
     def __attrs_post_init__(self) -> None:
-        if self.initial_ms < 0:
-            raise InvalidRetryPolicy("backoff initial delay must be >= 0")
-        if self.multiplier < 1.0:
-            raise InvalidRetryPolicy("backoff multiplier must be >= 1")
-        if self.cap_ms < self.initial_ms:
-            raise InvalidRetryPolicy("backoff cap must be >= the initial delay")
-        if not 0.0 <= self.jitter <= 1.0:
-            raise InvalidRetryPolicy("backoff jitter must be within [0, 1]")
+        if not _is_int(self.initial_ms) or not 0 <= self.initial_ms <= MAX_BACKOFF_MS:
+            raise InvalidRetryPolicy(
+                f"backoff initial delay must be an integer within 0..{MAX_BACKOFF_MS} ms"
+            )
+        if not _is_real(self.multiplier) or not 1.0 <= self.multiplier <= MAX_BACKOFF_MULTIPLIER:
+            raise InvalidRetryPolicy(
+                f"backoff multiplier must be a number within 1..{MAX_BACKOFF_MULTIPLIER:g}"
+            )
+        if not _is_int(self.cap_ms) or not self.initial_ms <= self.cap_ms <= MAX_BACKOFF_MS:
+            raise InvalidRetryPolicy(
+                f"backoff cap must be an integer within the initial delay..{MAX_BACKOFF_MS} ms"
+            )
+        if not _is_real(self.jitter) or not 0.0 <= self.jitter <= 1.0:
+            raise InvalidRetryPolicy("backoff jitter must be a number within [0, 1]")
 
     def delay_ms(self, run_id: str, attempt_number: int) -> int:
         """Delay before the attempt that follows ``attempt_number``."""
@@ -59,9 +68,28 @@ class Backoff:
         return max(0, min(self.cap_ms, round(base)))
 
 
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 def _check_max_attempts(_instance: object, _attribute: object, value: int) -> None:
-    if not 1 <= value <= MAX_ATTEMPTS_LIMIT:
+    if not _is_int(value) or not 1 <= value <= MAX_ATTEMPTS_LIMIT:
         raise InvalidRetryPolicy(f"max_attempts must be within 1..{MAX_ATTEMPTS_LIMIT}")
+
+
+def _to_safety(value: Safety | str | None) -> Safety | None:
+    """A safety given by its value (``"idempotent"``) is that safety; anything else is refused."""
+    if value is None or isinstance(value, Safety):
+        return value
+    try:
+        return Safety(value)
+    except ValueError:
+        choices = ", ".join(s.value for s in Safety)
+        raise InvalidRetryPolicy(f"safety must be one of {choices}, got {value!r}") from None
 
 
 @frozen(kw_only=True)
@@ -73,10 +101,14 @@ class RetryPolicy:
     retry_on_lost: bool = False
     retry_on_error: bool = False
     max_attempts: int = field(default=1, validator=_check_max_attempts)
-    safety: Safety | None = None
+    safety: Safety | None = field(default=None, converter=_to_safety)
     backoff: Backoff = field(factory=Backoff)
 
     def __attrs_post_init__(self) -> None:
+        if not isinstance(self.retry_on_lost, bool) or not isinstance(self.retry_on_error, bool):
+            raise InvalidRetryPolicy("retry_on_lost and retry_on_error must be true or false")
+        if not isinstance(self.backoff, Backoff):
+            raise InvalidRetryPolicy("backoff must be a Backoff")
         # An unsafe task is never executed twice: a task error is no evidence that its side
         # effects did not happen, so retrying it on error is refused at admission (ADR 0013).
         if self.retry_on_error and self.safety not in RETRYABLE_SAFETY:

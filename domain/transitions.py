@@ -163,12 +163,18 @@ def admit(
         raise InvalidAdmission("the input must not hold a NUL character")
     if policy is not None and not isinstance(policy, RetryPolicy):
         raise InvalidAdmission("policy must be a RetryPolicy")
-    if isinstance(priority, bool) or not MIN_PRIORITY <= priority <= MAX_PRIORITY:
+    if (
+        not isinstance(priority, int)
+        or isinstance(priority, bool)
+        or not MIN_PRIORITY <= priority <= MAX_PRIORITY
+    ):
         raise InvalidAdmission(f"priority must be an integer within {MIN_PRIORITY}..{MAX_PRIORITY}")
     if unique_key is not None:
         check_unique_key(unique_key)
     if timeout_ms is not None and (
-        isinstance(timeout_ms, bool) or not 1 <= timeout_ms <= MAX_TIMEOUT_MS
+        not isinstance(timeout_ms, int)
+        or isinstance(timeout_ms, bool)
+        or not 1 <= timeout_ms <= MAX_TIMEOUT_MS
     ):
         raise InvalidAdmission(f"a timeout must be within 1..{MAX_TIMEOUT_MS} milliseconds")
     if run_after_ms is not None and (

@@ -20,7 +20,7 @@ from ql3.application.budgets import DEFAULT_BATCH_SIZE, MAX_BATCH_SIZE, InvalidP
 from ql3.application.lookups import UnknownAttempt
 from ql3.domain.errors import ConcurrencyConflict, DomainError
 from ql3.domain.model import MAX_PRIORITY, MAX_TIMEOUT_MS, MIN_PRIORITY, RunStatus
-from ql3.domain.policy import Backoff, RetryPolicy, Safety
+from ql3.domain.policy import MAX_BACKOFF_MS, Backoff, RetryPolicy, Safety
 
 
 class Failure(Exception):
@@ -248,10 +248,22 @@ def submit(
             _fail_usage(f"--timeout must be within 0.001..{MAX_TIMEOUT_MS // 1000} seconds")
         timeout_ms = max(1, round(timeout_s * 1000))
     policy: RetryPolicy | None = None
-    declared = (safety, retry_on_lost, retry_on_error, max_attempts, backoff_initial)
-    if any(value not in (None, False) for value in declared):
-        if backoff_initial is not None and backoff_initial < 0:
-            _fail_usage("--backoff-initial must be >= 0")
+    # Any policy option given, with whatever value, makes a policy: a value is never taken for
+    # "not given", so a bad one is refused below rather than ignored.
+    policy_given = (
+        safety is not None
+        or retry_on_lost
+        or retry_on_error
+        or max_attempts is not None
+        or backoff_initial is not None
+    )
+    if policy_given:
+        if backoff_initial is not None and not (
+            math.isfinite(backoff_initial) and 0 <= backoff_initial * 1000 <= MAX_BACKOFF_MS
+        ):
+            _fail_usage(
+                f"--backoff-initial must be a number of seconds within 0..{MAX_BACKOFF_MS // 1000}"
+            )
         initial_ms = round((backoff_initial if backoff_initial is not None else 1.0) * 1000)
         policy = RetryPolicy(
             retry_on_lost=retry_on_lost,
