@@ -149,6 +149,7 @@ def _emit(as_json: bool, document: object, text: Callable[[], None]) -> None:
         "tasks": "ql3.adapters.cli.task_cmds:tasks",
     },
 )
+@click.version_option(package_name="ql3-runtime", prog_name="ql3", message="%(prog)s %(version)s")
 def cli() -> None:
     """QL3 runtime: durable execution with safe recovery of lost work."""
 

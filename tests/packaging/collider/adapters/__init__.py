@@ -1,0 +1,1 @@
+"""The application's own adapters: its task code."""

@@ -1,0 +1,1 @@
+"""The application's own use cases."""

@@ -1,0 +1,1 @@
+"""The application's own domain: nothing of QL3's."""
