@@ -107,10 +107,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="runs per admission transaction",
     )
     parser.add_argument(
-        "--least-privilege-ingress",
+        "--ingress-login-role",
         action="store_true",
-        help="the node's ingress connects as its own role (ql3 db grant-ingress), as in"
-        " production; by default it shares the node's database URL",
+        help="the node's ingress connects as a login role of its own (ql3 db grant-ingress);"
+        " by default it takes the default ingress role on the node's URL (ADR 0024)",
     )
 
 
@@ -347,7 +347,7 @@ def main(args: argparse.Namespace, admin: str) -> int:
     cpu: dict[str, list[float | None]] = {"node": [], "worker": [], "postgres": []}
     node_flags: list[str] = []
     role_scope: AbstractContextManager[str | None] = (
-        ingress_role(admin) if args.least_privilege_ingress else nullcontext(None)
+        ingress_role(admin) if args.ingress_login_role else nullcontext(None)
     )
     with (
         role_scope as role,
@@ -451,7 +451,9 @@ def main(args: argparse.Namespace, admin: str) -> int:
             for name, values in cpu.items()
         },
         "node_flags": node_command,
-        "ingress": "own role" if args.least_privilege_ingress else "node's database URL",
+        "ingress": (
+            "own login role" if args.ingress_login_role else "default ingress role (SET ROLE)"
+        ),
         "worker_flags": worker_command,
         "pgqueuer": (
             f"{pgqueuer_version} asyncpg max_concurrent_tasks={SLOTS}"

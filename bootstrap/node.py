@@ -7,8 +7,9 @@ SIGINT; then it releases its parked claims, stops taking requests, waits for the
 and closes its stores.
 
 The ingress reaches the store only through its own :class:`WorkerCommands`, built on its own
-store (``ingress_store``): the least-privilege ingress store on ``ingress_database_url`` when
-given, else a second small pool on the node's database.
+least-privilege store (``ingress_store``, ADR 0024): through the fenced functions, as the login
+role of ``ingress_database_url`` when given, else as the default ingress role, which a second
+small pool on the node's database takes on every connection (``SET ROLE``).
 
 Parked claims (ADR 0007) wait on the node's :class:`~ql3.adapters.http.wake.ClaimSignal`. On
 PostgreSQL the node keeps one LISTEN connection on the runtime database
@@ -63,6 +64,8 @@ log = logging.getLogger("ql3.node")
 NODE_DEFAULTS: dict[str, object] = {
     **CLUSTER_DEFAULTS,
     "ingress_database_url": None,
+    # the role the ingress pool takes on the node's own URL when no ingress URL is given
+    "ingress_role": "ql3_ingress_default",
     "ingress_pool_size": 8,
     "max_body_bytes": DEFAULT_MAX_BODY_BYTES,
     "registration_token": None,
@@ -88,19 +91,20 @@ def open_ingress_store(
     pool_size: int,
     url_source: Callable[[], str] | None = None,
     password_source: Callable[[], str] | None = None,
+    ingress_role: str = "ql3_ingress_default",
 ) -> Any:
-    """The ingress's store, with its own engine and pool: on ``ingress_database_url`` (the
-    least-privilege ingress role, see ``ql3 db grant-ingress``) when given, else a second pool
-    on the node's own database URL. Each new connection reads the URL and password of the
-    sources given (secrets in files, read again when they change)."""
+    """The ingress's store, with its own engine and pool, always least-privilege (ADR 0024):
+    on ``ingress_database_url`` (a login role of ``ql3 db grant-ingress``) when given, else on
+    the node's own database URL, every connection taking ``ingress_role`` (the NOLOGIN role
+    ``ql3 db upgrade`` makes). Each new connection reads the URL and password of the sources
+    given (secrets in files, read again when they change)."""
     from ql3.adapters.postgres.engine import refresh_on_connect
+    from ql3.adapters.postgres.ingress import PostgresIngressStore
 
     if ingress_database_url:
-        from ql3.adapters.postgres.ingress import PostgresIngressStore
-
-        store: Any = PostgresIngressStore.from_url(ingress_database_url, pool_size=pool_size)
+        store = PostgresIngressStore.from_url(ingress_database_url, pool_size=pool_size)
     else:
-        store = open_postgres_store(database_url, pool_size)
+        store = PostgresIngressStore.from_url(database_url, pool_size=pool_size, role=ingress_role)
     refresh_on_connect(store.engine, url_source=url_source, password_source=password_source)
     return store
 
@@ -210,6 +214,7 @@ class NodeContainer(containers.DeclarativeContainer):
         config.ingress_pool_size,
         config.ingress_url_source,
         config.ingress_password_source,
+        config.ingress_role,
     )
     # The node's Prometheus registry and its counters (ADR 0010), shared by the scheduler
     # steps and the ingress.

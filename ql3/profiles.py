@@ -72,8 +72,9 @@ class ClusterRuntime(Runtime):
                 from ql3.bootstrap import node
 
                 container = node.build(store=self.store, database_url=self._url, **self._settings)
-                if self._settings.get("ingress_database_url"):
-                    container.ingress_store.reset_override()
+                # The ingress is least-privilege here too (ADR 0024): its own pool, as the
+                # ingress URL's role or the default ingress role, never the runtime's store.
+                container.ingress_store.reset_override()
                 self._node = container
             return self._node
 

@@ -162,7 +162,7 @@ def test_throughput_benchmark_reports_admission_work_and_pgqueuer(
             "1",
             "--admit-batch",
             "16",
-            "--least-privilege-ingress",
+            "--ingress-login-role",
             "--json",
         ],
         pg_server.admin_url,

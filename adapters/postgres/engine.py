@@ -88,3 +88,17 @@ def refresh_on_connect(
 
 
 _ADDRESS_KEYS = ("host", "port", "user", "password", "dbname")
+
+
+def set_role_on_connect(engine: Engine, role: str) -> None:
+    """Every new connection of ``engine`` takes ``role`` (``SET ROLE``, committed, so a rolled
+    back transaction keeps it) before the pool hands it out: the session then holds that role's
+    privileges only. A role the connecting user may not take fails the connection."""
+    statement = "SET ROLE " + '"' + role.replace('"', '""') + '"'
+
+    def on_connect(dbapi_connection: Any, _record: Any) -> None:
+        with dbapi_connection.cursor() as cursor:
+            cursor.execute(statement)
+        dbapi_connection.commit()
+
+    event.listen(engine, "connect", on_connect)

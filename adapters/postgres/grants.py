@@ -1,8 +1,9 @@
 """The worker ingress's database role: created or brought back to exactly its privileges.
 
-:func:`grant_ingress` makes ``role`` a login role that inherits nothing and has no attribute
-beyond LOGIN, takes it out of every role it was a member of, revokes every privilege it holds in
-this database, then grants exactly:
+:func:`grant_ingress` makes ``role`` a login role (``ql3 db grant-ingress``; or, for the default
+role, a NOLOGIN one) that inherits nothing and has no attribute beyond LOGIN, takes it out of
+every role it was a member of, revokes every privilege it holds in this database, then grants
+exactly:
 
 - ``CONNECT`` on the database and ``USAGE`` on the schema of the QL3 tables;
 - ``SELECT`` on ``runs``, ``run_attempts``, ``run_dispatch_leases``, ``worker_sessions`` and
@@ -32,6 +33,13 @@ history, and it cannot write a column a worker's transition does not change. The
 and token hash columns are readable (the Python domain authenticates against them, as on the
 runtime's own store), so such an ingress could act for any worker whose session and lease are
 live; it sees those workers' secrets and tokens in flight anyway.
+
+**The default role** (ADR 0024). ``ql3 db upgrade`` ends with :func:`grant_default_ingress`:
+the NOLOGIN role :data:`DEFAULT_INGRESS_ROLE` with exactly these grants, granted to the role
+that runs the upgrade (on PostgreSQL 16 and later with ``INHERIT FALSE``, so membership lends
+nothing but the right to ``SET ROLE``). A node given no ``--ingress-database-url`` sets that
+role on every connection of its ingress pool, so the ingress holds the same privileges at its
+defaults as with a login role of its own.
 
 The role and its grants are written in one transaction: a refusal changes nothing. A role that
 is a superuser, is the current user or owns any object is refused: it could not be kept to these
@@ -68,6 +76,7 @@ INGRESS_FUNCTIONS = (
     "ql3_ingress_lock_attempts(text[], boolean)",
 )
 
+DEFAULT_INGRESS_ROLE = "ql3_ingress_default"
 ROLE_NAME = re.compile(r"[a-z_][a-z0-9_]{0,62}")
 SCRAM_ITERATIONS = 4096
 _SYSTEM_SCHEMAS = (
@@ -162,13 +171,18 @@ def _schema_of_tables(connection: Connection) -> str:
     return str(schema)
 
 
-def grant_ingress(engine: Engine, role: str, password: str | None = None) -> IngressGrant:
-    """Create ``role`` or bring it back to exactly the ingress's privileges (see the module).
+def grant_ingress(
+    engine: Engine, role: str, password: str | None = None, *, login: bool = True
+) -> IngressGrant:
+    """Create ``role`` or bring it back to exactly the ingress's privileges (see the module);
+    with ``login=False`` a role nobody logs in as, taken by ``SET ROLE``.
 
     Run it as the owner of the QL3 schema with the right to create roles (or as a superuser).
     Raises :class:`IngressGrantRefused` when the role cannot be the ingress role and
     :class:`IngressSchemaMissing` when the schema is not migrated far enough."""
     _check_role_name(role)
+    if password is not None and not login:
+        raise IngressGrantRefused("a role without LOGIN takes no password")
     verifier = scram_verifier(password) if password is not None else None
     quoted = _quote(role)
     with engine.begin() as connection:
@@ -178,8 +192,8 @@ def grant_ingress(engine: Engine, role: str, password: str | None = None) -> Ing
         created = found is None
         if found is None:
             statement = (
-                f"CREATE ROLE {quoted} LOGIN NOINHERIT NOSUPERUSER NOCREATEDB NOCREATEROLE"
-                " NOREPLICATION NOBYPASSRLS"
+                f"CREATE ROLE {quoted} {'LOGIN' if login else 'NOLOGIN'} NOINHERIT NOSUPERUSER"
+                " NOCREATEDB NOCREATEROLE NOREPLICATION NOBYPASSRLS"
             )
             if verifier is not None:
                 statement += f" PASSWORD {_literal(verifier)}"
@@ -189,7 +203,7 @@ def grant_ingress(engine: Engine, role: str, password: str | None = None) -> Ing
             wrong = [
                 flag
                 for flag, present, wanted in (
-                    ("LOGIN", found["rolcanlogin"], True),
+                    ("LOGIN", found["rolcanlogin"], login),
                     ("INHERIT", found["rolinherit"], False),
                     ("CREATEDB", found["rolcreatedb"], False),
                     ("CREATEROLE", found["rolcreaterole"], False),
@@ -198,7 +212,9 @@ def grant_ingress(engine: Engine, role: str, password: str | None = None) -> Ing
                 )
                 if bool(present) != wanted
             ]
-            attributes = [flag if flag == "LOGIN" else f"NO{flag}" for flag in wrong]
+            attributes = [
+                flag if flag == "LOGIN" and login else f"NO{flag}" for flag in wrong
+            ]
             if verifier is not None:
                 attributes.append(f"PASSWORD {_literal(verifier)}")
             if attributes:
@@ -228,6 +244,47 @@ def grant_ingress(engine: Engine, role: str, password: str | None = None) -> Ing
         tables=INGRESS_TABLES,
         functions=INGRESS_FUNCTIONS,
     )
+
+
+def grant_default_ingress(engine: Engine, role: str = DEFAULT_INGRESS_ROLE) -> IngressGrant:
+    """The default ingress role (see the module): NOLOGIN, exactly the ingress's privileges, and
+    granted to the role running this, which a node without an ingress URL connects as. Two
+    upgrades at once (of two databases on one server) may race to create it: the loser tries
+    again and finds it."""
+    from sqlalchemy.exc import DBAPIError
+
+    for attempt in range(3):
+        try:
+            grant = grant_ingress(engine, role, login=False)
+            with engine.begin() as connection:
+                _grant_membership(connection, role)
+            return grant
+        except DBAPIError as error:
+            sqlstate = getattr(error.orig, "sqlstate", None)
+            if sqlstate == "42501":  # insufficient_privilege
+                first = str(error.orig).splitlines()[0] if error.orig else str(error)
+                raise IngressGrantRefused(
+                    f"the default ingress role {role} could not be made ({first}): run it as a"
+                    " role that may create roles, or give every node --ingress-database-url"
+                ) from None
+            # duplicate_object, unique_violation (pg_authid), tuple concurrently updated (XX000)
+            if sqlstate not in ("42710", "23505", "XX000") or attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _grant_membership(connection: Connection, role: str) -> None:
+    """Let the role running this ``SET ROLE`` to ``role``; a superuser may anyway."""
+    me = connection.execute(
+        text("SELECT rolsuper, pg_has_role(current_user, :role, 'MEMBER') AS member"
+             " FROM pg_roles WHERE rolname = current_user"),
+        {"role": role},
+    ).mappings().one()
+    if me["rolsuper"] or me["member"]:
+        return
+    version = int(connection.execute(text("SHOW server_version_num")).scalar_one())
+    clause = " WITH INHERIT FALSE, SET TRUE" if version >= 160000 else ""
+    _ddl(connection, f"GRANT {_quote(role)} TO CURRENT_USER{clause}")
 
 
 def _find_role(connection: Connection, role: str) -> Mapping[str, Any] | None:

@@ -78,7 +78,7 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.sql.selectable import TextualSelect
 
 from ql3.adapters.postgres import queries
-from ql3.adapters.postgres.engine import pooled_engine
+from ql3.adapters.postgres.engine import pooled_engine, set_role_on_connect
 from ql3.adapters.sql import rows, statements
 from ql3.adapters.sql.repositories import SqlRunReads, SqlSessionReads
 from ql3.adapters.sql.schema import (
@@ -790,14 +790,26 @@ class PostgresIngressStore:
         self.engine = engine
 
     @classmethod
-    def from_url(cls, url: str, *, pool_size: int = 5) -> PostgresIngressStore:
-        """A store on ``url``, which names the ingress role (``ql3 db grant-ingress``); a bare
-        ``postgresql://`` gets the psycopg driver. The schema must be at ``0005_ingress_claim``
-        or later (``ql3 db upgrade``, run as the schema's owner)."""
+    def from_url(
+        cls, url: str, *, pool_size: int = 5, role: str | None = None
+    ) -> PostgresIngressStore:
+        """A store on ``url``, which names the ingress role (``ql3 db grant-ingress``), or, with
+        ``role``, a role whose member ``url`` names, taken on every connection (``SET ROLE``;
+        the default role of ``ql3 db upgrade``, ADR 0024); a bare ``postgresql://`` gets the
+        psycopg driver. The schema must be migrated (``ql3 db upgrade``, run as the schema's
+        owner)."""
         # Parameters are hidden from errors: the functions' parameters carry secret and
         # token hashes.
         engine = pooled_engine(_driver_url(url), pool_size=pool_size)
+        if role is not None:
+            set_role_on_connect(engine, role)
         return cls(engine)
+
+    def acting_role(self) -> str:
+        """The role this store's connections act as (``current_user``); opening the first
+        connection here fails at once when that role cannot be taken."""
+        with self.engine.connect() as connection:
+            return str(connection.exec_driver_sql("SELECT current_user").scalar_one())
 
     def unit_of_work(self) -> PostgresIngressUnitOfWork:
         return PostgresIngressUnitOfWork(self)

@@ -48,13 +48,18 @@ def head_revision() -> str:
 
 def upgrade(url: str, revision: str = "head") -> None:
     """Migrate the database at ``url`` up to ``revision`` (default: the newest), in one
-    transaction."""
+    transaction; at the newest, then create or bring back the default ingress role
+    (:func:`~ql3.adapters.postgres.grants.grant_default_ingress`, ADR 0024)."""
     engine = create_engine(_driver_url(url), poolclass=NullPool)
     try:
         with engine.begin() as connection:
             config = alembic_config()
             config.attributes["connection"] = connection
             command.upgrade(config, revision)
+        if revision == "head":
+            from ql3.adapters.postgres.grants import grant_default_ingress
+
+            grant_default_ingress(engine)
     finally:
         engine.dispose()
 
