@@ -544,8 +544,9 @@ def apply_statement(
     lease: DispatchLease | None,
     event: RunEvent,
 ) -> ApplyStatement:
-    """The statement for a Change, fenced exactly as the Core statements of
-    :mod:`ql3.adapters.postgres.queries` (``update_run``, ``update_attempt``, ``update_lease``).
+    """The statement for a Change, each update fenced on what the transaction read: the Run on
+    its status and attempt count, the Attempt on its status and lease version, the lease on its
+    version, status and token hash.
 
     An update writes only the columns that change: the fence columns and the locks taken
     before make the rest equal to what was read."""

@@ -111,14 +111,6 @@ def advisory_lock(key: str) -> Select:
     return select(func.pg_advisory_xact_lock(namespace, func.hashtext(bindparam("lock_key", key))))
 
 
-def try_advisory_lock(key: str) -> Select:
-    """``pg_try_advisory_xact_lock``: the same lock, or false at once when someone holds it."""
-    namespace = literal_column(str(ADVISORY_LOCK_NAMESPACE), Integer())
-    return select(
-        func.pg_try_advisory_xact_lock(namespace, func.hashtext(bindparam("try_lock_key", key)))
-    )
-
-
 def lock_attempt_rows(attempt_id: str, run_id: str | None = None) -> Select:
     """Run and Attempt rows, locked in the order runs, run_attempts, by one statement."""
     statement = (

@@ -52,13 +52,10 @@ from ql3.adapters.sql.schema import (
 )
 from ql3.application.ports import DispatchGate, StepFailure
 from ql3.domain.dispatch import TaskLimit
-from ql3.domain.events import RunEvent
 from ql3.domain.model import (
-    Attempt,
     AttemptStatus,
     DispatchLease,
     LeaseStatus,
-    Run,
     RunOwner,
     RunStatus,
     StopReport,
@@ -176,18 +173,6 @@ def insert_row(table: str, values: rows.Values) -> Insert:
     return insert(metadata.tables[table]).values(values)
 
 
-def insert_attempt(attempt: Attempt) -> Insert:
-    return insert(run_attempts).values(rows.attempt_values(attempt))
-
-
-def insert_lease(lease: DispatchLease) -> Insert:
-    return insert(run_dispatch_leases).values(rows.lease_values(lease))
-
-
-def insert_event(event: RunEvent) -> Insert:
-    return insert(run_events).values(rows.event_values(event))
-
-
 def insert_session(session: WorkerSession) -> Insert:
     return insert(worker_sessions).values(rows.session_values(session))
 
@@ -201,49 +186,6 @@ def insert_report(report: StopReport) -> Insert:
 
 def _without(values: rows.Values, *keys: str) -> rows.Values:
     return {name: value for name, value in values.items() if name not in keys}
-
-
-def update_run(before: Run, after: Run) -> Update:
-    """Fenced on the status and attempt count the transaction read."""
-    return (
-        update(runs)
-        .where(
-            runs.c.id == before.id,
-            runs.c.status == before.status.value,
-            runs.c.attempt_count == before.attempt_count,
-        )
-        .values(_without(rows.run_values(after), "id"))
-    )
-
-
-def update_attempt(before: Attempt, after: Attempt) -> Update:
-    """Fenced on the status and lease version the transaction read."""
-    a = run_attempts.c
-    return (
-        update(run_attempts)
-        .where(
-            a.id == before.id,
-            a.status == before.status.value,
-            a.lease_version.is_not_distinct_from(before.lease_version),
-        )
-        .values(_without(rows.attempt_values(after), "id"))
-    )
-
-
-def update_lease(before: DispatchLease, after: DispatchLease) -> Update:
-    """Fenced on version, status and token hash of the lease the transaction read."""
-    l = run_dispatch_leases.c  # noqa: E741
-    return (
-        update(run_dispatch_leases)
-        .where(
-            l.run_id == before.run_id,
-            l.generation == before.generation,
-            l.version == before.version,
-            l.status == before.status.value,
-            l.token_hash.is_not_distinct_from(before.token_hash),
-        )
-        .values(_without(rows.lease_values(after), "run_id", "generation"))
-    )
 
 
 def renew_lease(
