@@ -173,10 +173,13 @@ def db() -> None:
 @database_option
 def db_upgrade(database_url: str | None) -> None:
     """Apply the schema migrations."""
-    from ql3.adapters.postgres.migrate import current_revision, upgrade
+    from ql3.adapters.postgres.migrate import UnknownRevision, current_revision, upgrade
 
     url = _database_url(database_url)
-    upgrade(url)
+    try:
+        upgrade(url)
+    except UnknownRevision as error:
+        raise click.ClickException(str(error)) from None
     click.echo(f"database at revision {current_revision(url)}")
 
 

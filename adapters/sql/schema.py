@@ -65,7 +65,7 @@ from ql3.domain.model import (
     RunStatus,
     SessionStatus,
 )
-from ql3.domain.policy import MAX_ATTEMPTS_LIMIT, Safety
+from ql3.domain.policy import MAX_ATTEMPTS_LIMIT, RETRYABLE_SAFETY, Safety
 from ql3.domain.states import (
     CLAIMABLE_RUN_STATUSES,
     NON_TERMINAL_ATTEMPT_STATUSES,
@@ -212,6 +212,20 @@ def _names(statuses: Iterable[enum.Enum]) -> list[str]:
     return [str(member.value) for member in in_declared_order(statuses)]
 
 
+def retryable_safety(column: str) -> str:
+    """The rule of :data:`ql3.domain.policy.RETRYABLE_SAFETY` on a stored safety: a policy that
+    retries on error declares its task ``idempotent`` or ``deduplicated`` (ADR 0013). The
+    CHECK of ``runs`` below and the worker ingress's functions
+    (:mod:`ql3.adapters.postgres.functions`) both render it from here."""
+    return f"{column} IN ({_quoted(_names(RETRYABLE_SAFETY))})"
+
+
+# A Run whose policy retries on error has a retryable safety (NULL ``retry_on_error`` is false;
+# a NULL safety is none of them).
+RETRY_ON_ERROR_SAFETY = (
+    f"retry_on_error IS NOT TRUE OR (safety IS NOT NULL AND {retryable_safety('safety')})"
+)
+
 _POLICY_COLUMNS_REQUIRED = (
     "retry_on_lost",
     "max_attempts",
@@ -278,6 +292,7 @@ runs = Table(
     ),
     CheckConstraint("task <> ''", name="task_not_empty"),
     CheckConstraint("timeout_ms IS NULL OR timeout_ms >= 1", name="timeout_ms"),
+    CheckConstraint(RETRY_ON_ERROR_SAFETY, name="retry_on_error_safety"),
     CheckConstraint(
         f"priority BETWEEN {MIN_PRIORITY} AND {MAX_PRIORITY}", name="priority"
     ),
