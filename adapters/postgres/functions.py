@@ -33,7 +33,11 @@ from enum import Enum
 from pathlib import Path
 
 from ql3.adapters.postgres.ingress import MAX_CALL_ITEMS
-from ql3.adapters.postgres.queries import ADVISORY_LOCK_NAMESPACE, DISPATCH_CHANNEL
+from ql3.adapters.postgres.queries import (
+    ADVISORY_LOCK_NAMESPACE,
+    DISPATCH_CHANNEL,
+    FINISHED_CHANNEL,
+)
 from ql3.adapters.sql.schema import in_declared_order, retryable_safety
 from ql3.domain.events import EventType
 from ql3.domain.model import AttemptStatus, RunStatus
@@ -101,6 +105,7 @@ SETS: dict[str, Iterable[Enum]] = {
 CONSTANTS: dict[str, object] = {
     "ADVISORY_LOCK_NAMESPACE": ADVISORY_LOCK_NAMESPACE,
     "DISPATCH_CHANNEL": DISPATCH_CHANNEL,
+    "FINISHED_CHANNEL": FINISHED_CHANNEL,
     "MAX_CALL_ITEMS": MAX_CALL_ITEMS,
     "CLAIM_PAGE_SLACK": CLAIM_PAGE_SLACK,
     "MAX_CAPACITY": MAX_CAPACITY,

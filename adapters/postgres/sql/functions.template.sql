@@ -1071,7 +1071,7 @@ CREATE OR REPLACE FUNCTION ql3_notify_run_finished()
  LANGUAGE plpgsql
 AS $function$
         BEGIN
-            PERFORM pg_notify('ql3_run_finished', '');
+            PERFORM pg_notify('{{ FINISHED_CHANNEL }}', '');
             RETURN NULL;
         END
         $function$;

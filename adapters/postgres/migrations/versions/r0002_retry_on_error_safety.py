@@ -24,7 +24,8 @@ branch_labels = None
 depends_on = None
 
 CHECK = (
-    "retry_on_error IS NOT TRUE OR (safety IS NOT NULL AND safety IN ('idempotent', 'deduplicated'))"
+    "retry_on_error IS NOT TRUE"
+    " OR (safety IS NOT NULL AND safety IN ('idempotent', 'deduplicated'))"
 )
 
 
