@@ -179,7 +179,7 @@ def db_upgrade(database_url: str | None) -> None:
     try:
         upgrade(url)
     except UnknownRevision as error:
-        raise click.ClickException(str(error)) from None
+        raise Failure(str(error)) from None
     click.echo(f"database at revision {current_revision(url)}")
 
 

@@ -14,6 +14,7 @@ from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.pool import NullPool
 
+from ql3.adapters.cli.main import main
 from ql3.adapters.postgres.migrate import (
     MIGRATIONS,
     UnknownRevision,
@@ -126,6 +127,21 @@ def test_a_database_made_before_the_baseline_is_refused_and_left_alone(
     assert current_revision(url) == "0013_prune_index"
     with engine.connect() as connection:
         assert connection.execute(text(CHECK)).scalar_one() == 0
+
+
+def test_ql3_db_upgrade_refuses_it_with_a_message_and_exit_1(
+    fresh: tuple[str, Engine], capsys: pytest.CaptureFixture[str]
+) -> None:
+    url, engine = fresh
+    upgrade(url, BASELINE)
+    with engine.begin() as connection:
+        connection.execute(text("UPDATE alembic_version SET version_num = '0013_prune_index'"))
+    code = main(["db", "upgrade", "--database-url", url])
+    out, err = capsys.readouterr()
+    assert code == 1
+    assert "0013_prune_index" in err and "must be recreated" in err
+    assert "Traceback" not in err + out
+    assert current_revision(url) == "0013_prune_index"
 
 
 def test_a_revision_runs_only_its_own_frozen_text() -> None:
