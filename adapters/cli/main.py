@@ -174,13 +174,15 @@ def db() -> None:
 def db_upgrade(database_url: str | None) -> None:
     """Apply the schema migrations."""
     from ql3.adapters.postgres.grants import IngressGrantRefused
-    from ql3.adapters.postgres.migrate import current_revision, upgrade
+    from ql3.adapters.postgres.migrate import UnknownRevision, current_revision, upgrade
 
     url = _database_url(database_url)
     try:
         upgrade(url)
     except IngressGrantRefused as error:
         raise Failure(f"database at revision {current_revision(url)}, but {error}") from None
+    except UnknownRevision as error:
+        raise Failure(str(error)) from None
     click.echo(f"database at revision {current_revision(url)}")
 
 

@@ -2,6 +2,10 @@
 
 ``upgrade(url)`` brings a database to the newest revision; ``current_revision(url)`` tells which
 revision a database is at (``None`` before the first migration).
+
+The revisions start at the baseline ``r0001_baseline`` (ADR 0022) and are append-only, each with
+its own frozen text. A database at a revision these migrations do not know (one made before the
+baseline, or by a newer QL3) is refused with :class:`UnknownRevision`, and nothing is written.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import create_engine
+from sqlalchemy import Connection, create_engine
 from sqlalchemy.engine import make_url
 from sqlalchemy.pool import NullPool
 
@@ -38,6 +42,10 @@ def alembic_config(url: str | None = None) -> Config:
     return config
 
 
+class UnknownRevision(RuntimeError):
+    """The database is at a revision these migrations do not define."""
+
+
 def head_revision() -> str:
     """The newest revision the migrations define."""
     head = ScriptDirectory.from_config(alembic_config()).get_current_head()
@@ -54,6 +62,7 @@ def upgrade(url: str, revision: str = "head") -> None:
     try:
         with engine.begin() as connection:
             config = alembic_config()
+            _refuse_unknown(connection, config)
             config.attributes["connection"] = connection
             command.upgrade(config, revision)
         if revision == "head":
@@ -62,6 +71,18 @@ def upgrade(url: str, revision: str = "head") -> None:
             grant_default_ingress(engine)
     finally:
         engine.dispose()
+
+
+def _refuse_unknown(connection: Connection, config: Config) -> None:
+    found = MigrationContext.configure(connection).get_current_revision()
+    if found is None:
+        return
+    known = {script.revision for script in ScriptDirectory.from_config(config).walk_revisions()}
+    if found not in known:
+        raise UnknownRevision(
+            f"the database is at revision {found}, which these migrations do not know: a "
+            "database made before the baseline revision r0001_baseline must be recreated"
+        )
 
 
 def current_revision(url: str) -> str | None:

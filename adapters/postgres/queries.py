@@ -64,7 +64,7 @@ ADVISORY_LOCK_NAMESPACE = 0x514C33
 
 # Where a commit that puts a Run into ``queued`` notifies (``LISTEN ql3_dispatch``).
 DISPATCH_CHANNEL = "ql3_dispatch"
-# A commit that finishes Runs notifies this channel once (trigger of migration 0008), for callers
+# A commit that finishes Runs notifies this channel once (trigger runs_finished_notify), for callers
 # waiting for a run.
 FINISHED_CHANNEL = "ql3_run_finished"
 

@@ -65,7 +65,7 @@ from ql3.domain.model import (
     RunStatus,
     SessionStatus,
 )
-from ql3.domain.policy import MAX_ATTEMPTS_LIMIT, Safety
+from ql3.domain.policy import MAX_ATTEMPTS_LIMIT, RETRYABLE_SAFETY, Safety
 from ql3.domain.states import (
     CLAIMABLE_RUN_STATUSES,
     NON_TERMINAL_ATTEMPT_STATUSES,
@@ -212,6 +212,34 @@ def _names(statuses: Iterable[enum.Enum]) -> list[str]:
     return [str(member.value) for member in in_declared_order(statuses)]
 
 
+def retryable_safeties() -> list[str]:
+    """The stored safeties a policy that retries on error may declare: the rule of
+    :data:`ql3.domain.policy.RETRYABLE_SAFETY` (``idempotent``, ``deduplicated``; ADR 0013)."""
+    return _names(RETRYABLE_SAFETY)
+
+
+def retryable_safety(column: str) -> str:
+    """SQL: the safety in ``column`` is one of :func:`retryable_safeties`. The worker ingress's
+    functions (:mod:`ql3.adapters.postgres.functions`) render their retry rule with it; the CHECK
+    of ``runs`` below states the same rule with :class:`_Allowed`."""
+    return _one_of(column, retryable_safeties())
+
+
+class _RetryOnErrorSafety(ColumnElement[bool]):
+    """The CHECK that a Run whose policy retries on error has a retryable safety (NULL
+    ``retry_on_error`` is false; a NULL safety is none of them), its safeties spelled as
+    :class:`_Allowed` spells them on each dialect."""
+
+    inherit_cache = False
+    type = Boolean()
+
+
+@compiles(_RetryOnErrorSafety)
+def _retry_on_error_safety(element: _RetryOnErrorSafety, compiler: Any, **kw: Any) -> str:
+    allowed = compiler.process(_allowed("safety", retryable_safeties()), **kw)
+    return f"retry_on_error IS NOT TRUE OR (safety IS NOT NULL AND ({allowed}))"
+
+
 _POLICY_COLUMNS_REQUIRED = (
     "retry_on_lost",
     "max_attempts",
@@ -278,6 +306,7 @@ runs = Table(
     ),
     CheckConstraint("task <> ''", name="task_not_empty"),
     CheckConstraint("timeout_ms IS NULL OR timeout_ms >= 1", name="timeout_ms"),
+    CheckConstraint(_RetryOnErrorSafety(), name="retry_on_error_safety"),
     CheckConstraint(
         f"priority BETWEEN {MIN_PRIORITY} AND {MAX_PRIORITY}", name="priority"
     ),

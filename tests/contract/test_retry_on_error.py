@@ -7,10 +7,14 @@ same way; the claim tells the worker the Run's timeout."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from sqlalchemy import text
+from sqlalchemy.exc import IntegrityError
 
+from ql3.adapters.sql.schema import runs
 from ql3.application.admission import Admission, AdmissionRequest
 from ql3.application.lost_retry import LostRetry
 from ql3.application.worker_commands import (
@@ -24,7 +28,7 @@ from ql3.domain.events import EventType
 from ql3.domain.model import AttemptStatus, LeaseStatus, ReleaseReason, RunStatus
 from ql3.domain.policy import Backoff, RetryPolicy, Safety
 from tests.application.support import CountingIdentities
-from tests.contract.conftest import advance_time
+from tests.contract.conftest import STORES, advance_time, open_store
 
 TASK = "mail"
 DELAY_MS = 5_000
@@ -196,3 +200,57 @@ def test_a_repeated_failing_completion_answers_already_completed(services: Servi
     before = services.state(run_id)
     assert services.fail(grant) is BatchOutcome.ALREADY_COMPLETED
     assert services.state(run_id) == before
+
+
+# --- what the database states (ADR 0022) ----------------------------------------------------------
+
+SQL_STORES = [param for param in STORES if param.id != "memory"]
+
+
+@pytest.fixture(params=SQL_STORES)
+def sql_store(request: pytest.FixtureRequest) -> Iterator[Any]:
+    yield from open_store(request.param, request)
+
+
+def test_the_database_refuses_a_run_written_around_the_api_that_retries_unsafe_work(
+    sql_store: Any,
+) -> None:
+    """``ck_runs_retry_on_error_safety``: a Run whose policy retries on error is idempotent or
+    deduplicated, whoever writes the row."""
+    run_id = Services(sql_store).submit(ON_ERROR)
+    columns = [column.name for column in runs.columns]
+    copied = ", ".join(
+        {"id": ":copy", "safety": ":safety"}.get(name, name) for name in columns
+    )
+    insert = text(
+        f"INSERT INTO runs ({', '.join(columns)}) SELECT {copied} FROM runs WHERE id = :id"
+    )
+    update = text("UPDATE runs SET safety = :safety WHERE id = :id")
+    for safety in ("unsafe", None):
+        with pytest.raises(IntegrityError), sql_store.engine.begin() as connection:
+            connection.execute(update, {"safety": safety, "id": run_id})
+        with pytest.raises(IntegrityError), sql_store.engine.begin() as connection:
+            connection.execute(insert, {"copy": "copy", "safety": safety, "id": run_id})
+    with pytest.raises(IntegrityError), sql_store.engine.begin() as connection:
+        connection.execute(
+            text("UPDATE runs SET safety = 'unsafe', retry_on_error = true WHERE id = :id"),
+            {"id": run_id},
+        )
+    # What the check allows: the same Run not retried on error, and a retryable copy.
+    with sql_store.engine.begin() as connection:
+        connection.execute(
+            text("UPDATE runs SET safety = 'unsafe', retry_on_error = false WHERE id = :id"),
+            {"id": run_id},
+        )
+        connection.execute(
+            text("UPDATE runs SET safety = 'deduplicated', retry_on_error = true WHERE id = :id"),
+            {"id": run_id},
+        )
+        connection.execute(insert, {"copy": "copy", "safety": "idempotent", "id": run_id})
+        stored = connection.execute(
+            text("SELECT id, safety FROM runs WHERE id IN (:id, 'copy') ORDER BY id"),
+            {"id": run_id},
+        ).all()
+    assert sorted(tuple(row) for row in stored) == sorted(
+        [(run_id, "deduplicated"), ("copy", "idempotent")]
+    )

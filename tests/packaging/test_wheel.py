@@ -75,6 +75,10 @@ def test_the_wheel_adds_only_ql3_to_the_import_namespace(dist: Path) -> None:
     assert "ql3/adapters/postgres/migrations/env.py" in names or any(
         name.startswith("ql3/adapters/postgres/migrations/") for name in names
     )
+    # The frozen text the baseline revision runs, and the functions' current text.
+    assert "ql3/adapters/postgres/migrations/versions/r0001_baseline.sql" in names
+    assert "ql3/adapters/postgres/sql/functions.sql" in names
+    assert "ql3/adapters/postgres/sql/functions.template.sql" in names
     assert not any(name.startswith(("benchmarks/", "tests/")) for name in names)
     assert not any("__pycache__" in name for name in names)
 

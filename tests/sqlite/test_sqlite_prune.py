@@ -1,5 +1,5 @@
-"""Pruning on SQLite (ADR 0016): a database of schema version 3 gets the prune's indexes when it
-is upgraded, and the pick reads ``ix_runs_finished``."""
+"""Pruning on SQLite (ADR 0016): a database has the prune's indexes, and the pick reads
+``ix_runs_finished``."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ from sqlalchemy.dialects import sqlite
 from ql3.adapters.sql.history import prunable_query
 from ql3.adapters.sql.sqlite import SqliteStore
 from ql3.adapters.sql.sqlite.queries import SQLITE
-from ql3.adapters.sql.sqlite.store import SCHEMA_VERSION
 from ql3.application.ports import PruneMark
 
 PRUNE_INDEXES = ("ix_runs_finished", "ix_run_dispatch_leases_attempt_id")
@@ -23,22 +22,10 @@ def _indexes(path: Path) -> set[str]:
         return {str(name) for (name,) in found}
 
 
-def test_a_version_3_database_gets_the_prune_indexes(tmp_path: Path) -> None:
-    path = tmp_path / "old.sqlite"
+def test_a_new_database_has_the_prune_indexes(tmp_path: Path) -> None:
+    path = tmp_path / "new.sqlite"
     SqliteStore(path).close()
     assert set(PRUNE_INDEXES) <= _indexes(path)
-    with sqlite3.connect(path) as connection:
-        for name in PRUNE_INDEXES:
-            connection.execute(f"DROP INDEX {name}")
-        connection.execute("PRAGMA user_version = 3")
-    assert not set(PRUNE_INDEXES) & _indexes(path)
-
-    store = SqliteStore(path)
-    store.close()
-
-    assert set(PRUNE_INDEXES) <= _indexes(path)
-    with sqlite3.connect(path) as connection:
-        assert connection.execute("PRAGMA user_version").fetchone() == (SCHEMA_VERSION,)
 
 
 def test_the_pick_reads_the_finished_index(tmp_path: Path) -> None:

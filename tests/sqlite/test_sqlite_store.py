@@ -339,98 +339,20 @@ def test_a_missing_gate_row_reads_closed_and_is_written_anew(store: SqliteStore)
     assert store.dispatch_gate().open
 
 
-def _as_version_1(path: Path) -> None:
-    """Turn a version 2 database back into what version 1 created: no gate, the old index of
-    queued Runs, and the narrower checks on leases and events."""
-    connection = sqlite3.connect(path, isolation_level=None)
-    try:
-        connection.execute("BEGIN IMMEDIATE")
-        connection.execute("DROP TABLE dispatch_gate")
-        connection.execute("DROP INDEX ix_runs_claimable")
-        connection.execute("CREATE INDEX ix_runs_queued ON runs (task, id) WHERE status = 'queued'")
-        narrower = {
-            "run_events": ("type = 'attempt_started' OR type = 'attempt_released' OR ", ""),
-            "run_dispatch_leases": (" OR release_reason = 'handed_back'", ""),
-        }
-        for table, (new, old) in narrower.items():
-            (ddl,) = connection.execute(
-                "SELECT sql FROM sqlite_master WHERE type = 'table' AND name = ?", (table,)
-            ).fetchone()
-            assert new in ddl
-            indexes = connection.execute(
-                "SELECT sql FROM sqlite_master WHERE type = 'index' AND tbl_name = ?"
-                " AND sql IS NOT NULL",
-                (table,),
-            ).fetchall()
-            connection.execute(f"ALTER TABLE {table} RENAME TO {table}_new")
-            for (index,) in indexes:
-                name = index.split()[2] if "UNIQUE" not in index else index.split()[3]
-                connection.execute(f"DROP INDEX {name}")
-            connection.execute(ddl.replace(new, old))
-            connection.execute(f"INSERT INTO {table} SELECT * FROM {table}_new")
-            connection.execute(f"DROP TABLE {table}_new")
-            for (index,) in indexes:
-                connection.execute(index)
-        connection.execute("PRAGMA user_version = 1")
-        connection.execute("COMMIT")
-    finally:
-        connection.close()
-
-
-def test_a_version_1_database_is_upgraded_in_place(tmp_path: Path) -> None:
+def test_a_database_of_a_version_before_the_baseline_is_refused_and_left_alone(
+    tmp_path: Path,
+) -> None:
     path = tmp_path / "old.sqlite"
-    old = SqliteStore(path)
-    run_id = Admission(old.unit_of_work, RandomIdentities()).submit("t")
-    old.close()
-    _as_version_1(path)
-    with pytest.raises(sqlite3.IntegrityError):  # the old check refuses the new event type
+    SqliteStore(path).close()
+    for version in range(1, SCHEMA_VERSION):
         connection = sqlite3.connect(path)
-        try:
-            connection.execute(
-                "INSERT INTO run_events (run_id, type, at, data) VALUES (?, ?, 1, '{}')",
-                (run_id, "attempt_started"),
-            )
-        finally:
-            connection.close()
-
-    upgraded = SqliteStore(path)
-    try:
-        assert _pragma(upgraded, "user_version") == SCHEMA_VERSION == 4
-        assert upgraded.dispatch_gate().open
-        with upgraded.unit_of_work() as uow:
-            indexes = {
-                name
-                for (name,) in uow.connection.exec_driver_sql(
-                    "SELECT name FROM sqlite_master WHERE type = 'index'"
-                )
-            }
-            (event,) = uow.runs.events_of(run_id)
-        assert "ix_runs_claimable" in indexes and "ix_runs_queued" not in indexes
-        assert {"ix_run_events_run_id", "uq_run_dispatch_leases_one_leased_per_run"} <= indexes
-        assert event.event.type.value == "run_admitted"
-        commands = _commands(upgraded)
-        session = commands.register("w1", 1, ["t"])
-        (grant,) = commands.claim(session.session_id, session.secret, limit=1).grants
-        released = commands.release_many(
-            session.session_id, session.secret, [Release(fence=grant.fence)]
-        )
-        assert grant.run_id == run_id and released.results[0].ok
-        with upgraded.unit_of_work() as uow:
-            types = [e.event.type.value for e in uow.runs.events_of(run_id)]
-            (lease,) = uow.runs.leases_of(run_id)
-        assert types == ["run_admitted", "attempt_started", "attempt_released"]
-        assert lease.release_reason is not None and lease.release_reason.value == "handed_back"
-    finally:
-        upgraded.close()
-    assert _pragma_of(path, "user_version") == SCHEMA_VERSION
-
-
-def _pragma_of(path: Path, name: str) -> object:
-    store = SqliteStore(path)
-    try:
-        return _pragma(store, name)
-    finally:
-        store.close()
+        connection.execute(f"PRAGMA user_version = {version}")
+        connection.close()
+        with pytest.raises(SchemaMismatch, match=f"schema version {version}, this store needs"):
+            SqliteStore(path)
+        connection = sqlite3.connect(path)
+        assert connection.execute("PRAGMA user_version").fetchone() == (version,)
+        connection.close()
 
 
 SET_STATUS = "UPDATE runs SET status = ? WHERE id = ?"

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import time
 
-# PRAGMA user_version of a database the store created; another value is refused, but for
-# UPGRADABLE_VERSIONS, which are upgraded in place.
-SCHEMA_VERSION = 4
-UPGRADABLE_VERSIONS = (1, 2, 3)
+# PRAGMA user_version of a database the store created: the baseline of ADR 0022, numbered past
+# the versions 1 to 4 it replaces so that a file of one of them is refused, as any other value
+# is. A later change of the schema takes the next number and its own upgrade step.
+SCHEMA_VERSION = 5
 
 
 def connection_pragmas(*, busy_timeout_ms: int, synchronous: str, wal: bool) -> list[str]:

@@ -25,11 +25,9 @@ Wake-ups
     (:mod:`ql3.adapters.sql.sqlite.wake`), so an idle executing process starts at once without
     polling.
 Schema
-    ``PRAGMA user_version`` is :data:`SCHEMA_VERSION`. A database of version 1 (before the
-    claim protocol of ADR 0007) is brought to version 2 when it is opened: the dispatch gate,
-    the claim's candidate index, and the new release reason and event types; a database of
-    version 2 to version 3: the quarantine and the failing candidate (ADR 0010). A database of
-    version 3 that lacks the indexes of a prune (ADR 0016) gets them when it is opened.
+    ``PRAGMA user_version`` is :data:`SCHEMA_VERSION`, the baseline (ADR 0022): a new database
+    gets the declared schema of :mod:`ql3.adapters.sql.schema`; a database of any other version
+    is refused with :class:`SchemaMismatch` (a database made before the baseline is recreated).
 
 ``SqliteStore(None)`` (or ``":memory:"``) is a private in-memory database on one connection,
 whose transactions are serialised by a lock: for tests and throw-away containers.
@@ -74,7 +72,6 @@ from ql3.adapters.sql.schema import metadata, runs, worker_sessions
 from ql3.adapters.sql.sqlite import hot, queries
 from ql3.adapters.sql.sqlite.connection import (
     SCHEMA_VERSION,
-    UPGRADABLE_VERSIONS,
     connection_pragmas,
     host_now_ms,
 )
@@ -559,25 +556,18 @@ class SqliteStore:
             version = int(connection.exec_driver_sql("PRAGMA user_version").scalar_one())
             if version == SCHEMA_VERSION:
                 return
-            if version not in (0, *UPGRADABLE_VERSIONS, SCHEMA_VERSION):
+            if version != 0:
                 raise SchemaMismatch(
                     f"{self.path or MEMORY} has schema version {version}, this store needs "
                     f"{SCHEMA_VERSION}"
                 )
-            if version == 0:
-                existing = connection.exec_driver_sql(
-                    "SELECT count(*) FROM sqlite_master WHERE type = 'table'"
-                ).scalar_one()
-                if existing:
-                    raise SchemaMismatch(f"{self.path} is not a QL3 runtime database")
-                metadata.create_all(connection)
-                connection.execute(statements.insert_gate(OPEN_GATE))
-            else:
-                if version == 1:
-                    upgrade_from_version_1(connection)
-                if version <= 2:
-                    upgrade_from_version_2(connection)
-                upgrade_from_version_3(connection)
+            existing = connection.exec_driver_sql(
+                "SELECT count(*) FROM sqlite_master WHERE type = 'table'"
+            ).scalar_one()
+            if existing:
+                raise SchemaMismatch(f"{self.path} is not a QL3 runtime database")
+            metadata.create_all(connection)
+            connection.execute(statements.insert_gate(OPEN_GATE))
             connection.exec_driver_sql(f"PRAGMA user_version = {SCHEMA_VERSION}")
             connection.commit()
 
@@ -774,93 +764,6 @@ class SqliteStore:
 
 def _nothing() -> None:
     return None
-
-
-# Tables whose CHECK constraints version 2 widened; SQLite cannot alter a constraint, so they are
-# rebuilt (nothing references them by a foreign key).
-_REBUILT_IN_VERSION_2 = ("run_dispatch_leases", "run_events")
-# Version 3 (ADR 0010): new columns on these, and the quarantine event types.
-_WIDENED_IN_VERSION_3 = ("runs", "dispatch_gate")
-_REBUILT_IN_VERSION_3 = ("run_events",)
-# Version 4 (ADRs 0013 to 0015): the job columns of runs.
-_WIDENED_IN_VERSION_4 = ("runs",)
-
-
-def _rebuild(connection: Connection, names: Sequence[str], version: int) -> None:
-    """Recreate each table with the checks of the declared schema, rows kept (ids included)."""
-    tables = metadata.tables
-    for name in names:
-        table = tables[name]
-        for index in table.indexes:
-            connection.exec_driver_sql(f"DROP INDEX IF EXISTS {index.name}")
-        connection.exec_driver_sql(f"ALTER TABLE {name} RENAME TO {name}_version_{version}")
-        table.create(connection)
-        columns = ", ".join(column.name for column in table.columns)
-        connection.exec_driver_sql(
-            f"INSERT INTO {name} ({columns}) SELECT {columns} FROM {name}_version_{version}"
-        )
-        connection.exec_driver_sql(f"DROP TABLE {name}_version_{version}")
-
-
-def _create_missing_indexes(connection: Connection) -> None:
-    for table in metadata.sorted_tables:
-        for index in table.indexes:
-            index.create(connection, checkfirst=True)
-
-
-def upgrade_from_version_1(connection: Connection) -> None:
-    """Version 1 to 2, inside the caller's write transaction: the dispatch gate with its row,
-    ``ix_runs_claimable`` instead of ``ix_runs_queued``, ``ix_run_attempts_handed_back``, and
-    ``run_dispatch_leases`` and ``run_events`` rebuilt with the checks of the declared schema
-    (rows kept, ids included)."""
-    _add_missing_columns(connection, ("runs",))  # the indexes of version 3 need them
-    _rebuild(connection, _REBUILT_IN_VERSION_2, 1)
-    connection.exec_driver_sql("DROP INDEX IF EXISTS ix_runs_queued")
-    metadata.create_all(connection)  # the tables that are missing: the gate
-    _create_missing_indexes(connection)  # and the indexes missing on the others
-    connection.execute(statements.insert_gate(OPEN_GATE))
-
-
-def _add_missing_columns(connection: Connection, names: Sequence[str]) -> None:
-    for name in names:
-        table = metadata.tables[name]
-        present = {
-            row[1] for row in connection.exec_driver_sql(f"PRAGMA table_info({name})").fetchall()
-        }
-        for column in table.columns:
-            if column.name not in present:
-                kind = column.type.compile(dialect=connection.dialect)
-                default = column.server_default
-                if default is not None and not column.nullable:
-                    kind += f" NOT NULL DEFAULT {default.arg.text}"  # type: ignore[attr-defined]
-                connection.exec_driver_sql(f"ALTER TABLE {name} ADD COLUMN {column.name} {kind}")
-
-
-def upgrade_from_version_2(connection: Connection) -> None:
-    """Version 2 to 3, inside the caller's write transaction: the quarantine columns of
-    ``runs`` and the failing candidate's of ``dispatch_gate`` (nullable, added in place),
-    ``run_events`` rebuilt for the quarantine event types, ``ix_runs_quarantined``,
-    ``scheduler_nodes``."""
-    _add_missing_columns(connection, _WIDENED_IN_VERSION_3)
-    _rebuild(connection, _REBUILT_IN_VERSION_3, 2)
-    metadata.create_all(connection)  # the tables that are missing: the scheduler nodes
-    _create_missing_indexes(connection)
-
-
-def upgrade_from_version_3(connection: Connection) -> None:
-    """Version 3 to 4, inside the caller's write transaction: the job columns of ``runs``
-    (added in place), ``task_limits`` and the indexes that are missing (among them a prune's,
-    ADR 0016)."""
-    _add_missing_columns(connection, _WIDENED_IN_VERSION_4)
-    metadata.create_all(connection)
-    renew_claimable_index(connection)
-
-
-def renew_claimable_index(connection: Connection) -> None:
-    """``ix_runs_claimable`` as declared (by task, then priority, since ADR 0014): an index of
-    an older declaration is dropped first, since it keeps the name."""
-    connection.exec_driver_sql("DROP INDEX IF EXISTS ix_runs_claimable")
-    _create_missing_indexes(connection)
 
 
 NOW = "ql3_now"
