@@ -1,4 +1,5 @@
-"""Differential test: one command sequence applied to a memory store and a PostgreSQL store.
+"""Differential test: one command sequence applied to a memory store and to a SQL store (SQLite,
+then PostgreSQL).
 
 Both sides run the same application services over deterministic identities, so they hand out
 the same ids and secrets. After every command the two sides must agree on the command's outcome
@@ -18,6 +19,7 @@ import dataclasses
 import enum
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -421,17 +423,28 @@ def pg_store(pg_database_url: str) -> Iterator[Any]:
         store.close()
 
 
-# Shrinking a failing sequence takes far longer than a passing run.
-@pytest.mark.timeout(1_800)
-def test_memory_and_postgres_agree_on_every_command(pg_store: Any) -> None:
-    def postgres_side() -> Side:
-        pg_store.testing_reset()
-        return Side("postgres", pg_store, pg_store.testing_advance_clock)
+@pytest.fixture
+def sqlite_store(tmp_path: Path) -> Iterator[Any]:
+    from ql3.adapters.sql.sqlite import SqliteStore
+
+    store = SqliteStore(tmp_path / "differential.sqlite", synchronous="NORMAL")
+    try:
+        yield store
+    finally:
+        store.close()
+
+
+def _agree(name: str, store: Any) -> None:
+    """Run the differential machine: the memory store against ``store``."""
+
+    def other_side() -> Side:
+        store.testing_reset()
+        return Side(name, store, store.testing_advance_clock)
 
     STATS.clear()
     started = time.monotonic()
     run_state_machine_as_test(
-        make_differential(postgres_side),
+        make_differential(other_side),
         settings=settings(
             max_examples=EXAMPLES,
             stateful_step_count=25,
@@ -441,9 +454,20 @@ def test_memory_and_postgres_agree_on_every_command(pg_store: Any) -> None:
         ),
     )
     elapsed = time.monotonic() - started
-    print(f"\ndifferential: {STATS.get('examples', 0)} examples, {STATS.get('steps', 0)} "
-          f"compared states, {elapsed:.1f}s")
+    print(f"\ndifferential (memory and {name}): {STATS.get('examples', 0)} examples, "
+          f"{STATS.get('steps', 0)} compared states, {elapsed:.1f}s")
     for key in sorted(STATS):
         print(f"  {key}: {STATS[key]}")
     assert STATS["examples"] >= EXAMPLES
     assert STATS["steps"] > STATS["examples"]
+
+
+# Shrinking a failing sequence takes far longer than a passing run.
+@pytest.mark.timeout(1_800)
+def test_memory_and_postgres_agree_on_every_command(pg_store: Any) -> None:
+    _agree("postgres", pg_store)
+
+
+@pytest.mark.timeout(1_800)
+def test_memory_and_sqlite_agree_on_every_command(sqlite_store: Any) -> None:
+    _agree("sqlite", sqlite_store)
