@@ -203,7 +203,7 @@ def test_throughput_benchmark_reports_admission_work_and_pgqueuer(
     assert worker_flags.endswith(" --concurrency 8")
     table = done.stdout.strip().splitlines()[:-1]
     assert any(line.startswith("pgqueuer_worked_per_s") for line in table), done.stdout
-    assert result["ingress"] == "own role"
+    assert result["ingress"] == "own login role"
     _assert_no_databases_left(pg_server, before)
     assert _bench_roles(pg_server) == roles_before, "the benchmark left its ingress role behind"
 

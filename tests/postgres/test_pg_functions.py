@@ -23,7 +23,7 @@ from ql3.domain.transitions import complete
 from tests.domain.builders import running
 
 FILE_SCHEMA = "ql3_functions_file"
-DEFINITIONS = """
+DEFINITIONS = r"""
 SELECT p.proname, pg_get_function_identity_arguments(p.oid) AS arguments,
        pg_get_functiondef(p.oid) AS definition,
        -- the migrations' own privileges: not those that grant_ingress gives the ingress roles
