@@ -8,6 +8,7 @@ import hmac
 from attrs import frozen
 
 from ql3.domain.errors import FenceReason, FenceRejected
+from ql3.domain.guards import LEASE_EXPIRED, holds
 from ql3.domain.model import DispatchLease, LeaseStatus, ReleaseReason
 
 
@@ -65,6 +66,6 @@ def check_fence(lease: DispatchLease | None, fence: LeaseFence, now_ms: int) -> 
         raise FenceRejected(FenceReason.VERSION_MISMATCH, fence.attempt_id)
     if lease.status is not LeaseStatus.LEASED:
         raise FenceRejected(FenceReason.RELEASED, fence.attempt_id)
-    if lease.expires_at_ms <= now_ms:
+    if holds(LEASE_EXPIRED, {"lease": lease}, now_ms):
         raise FenceRejected(FenceReason.EXPIRED, fence.attempt_id)
     return lease

@@ -192,16 +192,11 @@ class Attempt:
 
     @property
     def is_pristine(self) -> bool:
-        """A claimed dispatch slot with no worker, session, offer, lease or start facts."""
-        return (
-            self.status is AttemptStatus.CLAIMED
-            and self.session_id is None
-            and self.worker_id is None
-            and self.lease_generation is None
-            and self.offered_at_ms is None
-            and self.accepted_at_ms is None
-            and self.started_at_ms is None
-        )
+        """A claimed dispatch slot with no worker, session, offer, lease or start facts
+        (:data:`ql3.domain.guards.PRISTINE_ATTEMPT`)."""
+        from ql3.domain.guards import PRISTINE_ATTEMPT, holds
+
+        return holds(PRISTINE_ATTEMPT, {"attempt": self})
 
 
 @frozen(kw_only=True)
@@ -225,7 +220,10 @@ class DispatchLease:
     released_at_ms: int | None = None
 
     def is_live(self, now_ms: int) -> bool:
-        return self.status is LeaseStatus.LEASED and self.expires_at_ms > now_ms
+        """:data:`ql3.domain.guards.LEASE_LIVE`: leased, and not expired at ``now_ms``."""
+        from ql3.domain.guards import LEASE_LIVE, holds
+
+        return holds(LEASE_LIVE, {"lease": self}, now_ms)
 
 
 @frozen(kw_only=True)

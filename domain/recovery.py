@@ -10,6 +10,7 @@ from attrs import frozen
 
 from ql3.domain.errors import InvalidTransition
 from ql3.domain.events import EventType, RunEvent
+from ql3.domain.guards import LEASE_EXPIRED, holds
 from ql3.domain.model import (
     Attempt,
     DispatchLease,
@@ -45,7 +46,7 @@ def lease_authority_gone(attempt: Attempt, lease: DispatchLease | None, now_ms: 
         or lease.generation != attempt.lease_generation
     ):
         return True
-    return lease.status is LeaseStatus.RELEASED or lease.expires_at_ms <= now_ms
+    return lease.status is LeaseStatus.RELEASED or holds(LEASE_EXPIRED, {"lease": lease}, now_ms)
 
 
 def is_recovery_candidate(

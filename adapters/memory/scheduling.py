@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 
 from ql3.application.ports import DueTrigger, Page, RunCandidate, SessionCapacity, Snapshot
 from ql3.domain.errors import ConcurrencyConflict
+from ql3.domain.guards import CLAIMABLE_RUN, holds
 from ql3.domain.model import LeaseStatus, RunOwner
-from ql3.domain.states import CLAIMABLE_RUN_STATUSES
 from ql3.domain.triggers import Trigger, TriggerFiring, TriggerStatus
 from ql3.domain.workflows import StepStatus, WorkflowStep, needs_frontier
 
@@ -192,7 +192,7 @@ def claimable(state: _State, tasks: Sequence[str], limit_per_task: int) -> list[
     wanted = frozenset(tasks)
     by_task: dict[str, list[Snapshot]] = {}
     for run in state.runs.values():
-        if run.status not in CLAIMABLE_RUN_STATUSES or run.task not in wanted:
+        if run.task not in wanted or not holds(CLAIMABLE_RUN, {"run": run}):
             continue
         attempt = state.latest_attempt(run.id)
         if attempt is None or not attempt.is_pristine:

@@ -57,6 +57,7 @@ from ql3.application.ports import (
 from ql3.domain.credentials import CredentialEvent, WorkerCredential
 from ql3.domain.dispatch import TaskLimit
 from ql3.domain.errors import ConcurrencyConflict
+from ql3.domain.guards import CLAIMABLE_RUN, LEASE_LIVE, fence_matches, holds
 from ql3.domain.model import (
     Attempt,
     DispatchLease,
@@ -70,7 +71,6 @@ from ql3.domain.model import (
 from ql3.domain.recovery import find_not_running_evidence, is_recovery_candidate, is_resolvable
 from ql3.domain.retry import is_due_retry, is_lost_retry_candidate
 from ql3.domain.states import (
-    CLAIMABLE_RUN_STATUSES,
     NON_TERMINAL_ATTEMPT_STATUSES,
     OPEN_SESSION_STATUSES,
 )
@@ -448,21 +448,13 @@ class MemoryRunRepository(OneAtATime):
         writes = _Writes()
         if change.run != before.run:
             stored_run = state.runs.get(before.run.id)
-            if (
-                stored_run is None
-                or stored_run.status is not before.run.status
-                or stored_run.attempt_count != before.run.attempt_count
-            ):
+            if stored_run is None or not fence_matches("run", stored_run, before.run):
                 raise _conflict(f"run {before.run.id} changed since it was read")
             writes.run = change.run
         for attempt in change.attempts:
             if before.attempt is not None and attempt.id == before.attempt.id:
                 stored = state.attempts.get(attempt.id)
-                if (
-                    stored is None
-                    or stored.status is not before.attempt.status
-                    or stored.lease_version != before.attempt.lease_version
-                ):
+                if stored is None or not fence_matches("attempt", stored, before.attempt):
                     raise _conflict(f"attempt {attempt.id} changed since it was read")
             else:
                 _check_attempt_insert(state, attempt, writes)
@@ -475,12 +467,7 @@ class MemoryRunRepository(OneAtATime):
             if old is not None and (old.run_id, old.generation) == key:
                 if lease != old:
                     stored_lease = state.leases.get(key)
-                    if (
-                        stored_lease is None
-                        or stored_lease.version != old.version
-                        or stored_lease.status is not old.status
-                        or stored_lease.token_hash != old.token_hash
-                    ):
+                    if stored_lease is None or not fence_matches("lease", stored_lease, old):
                         raise _conflict(f"lease {key[0]}/{key[1]} changed since it was read")
                     writes.lease = lease
             else:
@@ -497,12 +484,9 @@ class MemoryRunRepository(OneAtATime):
         stored = state.leases.get(key)
         if (
             stored is None
-            or stored.status is not LeaseStatus.LEASED
-            or stored.status is not before.status
-            or stored.version != before.version
             or before.token_hash is None  # an offer not accepted yet has no fence to renew
-            or stored.token_hash != before.token_hash
-            or stored.expires_at_ms <= self._uow.now_ms()
+            or not fence_matches("lease", stored, before)
+            or not holds(LEASE_LIVE, {"lease": stored}, self._uow.now_ms())
         ):
             raise _conflict(f"lease {key[0]}/{key[1]} is no longer the live lease presented")
         self._uow.write().leases[key] = evolve(stored, expires_at_ms=after.expires_at_ms)
@@ -709,7 +693,7 @@ class MemoryStore:
             state, now = self._committed()
             queued: dict[str, list[int]] = {}
             for run in state.runs.values():
-                if run.status in CLAIMABLE_RUN_STATUSES:
+                if holds(CLAIMABLE_RUN, {"run": run}):
                     queued.setdefault(run.task, []).append(run.updated_at_ms)
             waiting = [
                 c.lease_expires_at_ms

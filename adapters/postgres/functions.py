@@ -38,9 +38,11 @@ from ql3.adapters.postgres.queries import (
     DISPATCH_CHANNEL,
     FINISHED_CHANNEL,
 )
+from ql3.adapters.sql import guards
 from ql3.adapters.sql.schema import in_declared_order, retryable_safety
 from ql3.domain.events import EventType
-from ql3.domain.model import AttemptStatus, RunStatus
+from ql3.domain.guards import CLAIMABLE_RUN, LEASE_EXPIRED, PRISTINE_ATTEMPT
+from ql3.domain.model import RunStatus
 from ql3.domain.sessions import MAX_CAPACITY
 from ql3.domain.states import (
     CLAIMABLE_RUN_STATUSES,
@@ -62,17 +64,6 @@ runs the text (a migration binds its own frozen copy's)."""
 # A claim reads its candidates of each task a page at a time: as many as it may lock, and this
 # many more for those other transactions hold.
 CLAIM_PAGE_SLACK = 16
-
-# The columns a claim sets on a pristine Attempt (a hand-back clears them again, but
-# ``lease_version``, which a pristine Attempt may keep): ql3.domain.model.Attempt.is_pristine.
-PRISTINE_NULL_COLUMNS = (
-    "session_id",
-    "worker_id",
-    "lease_generation",
-    "offered_at",
-    "accepted_at",
-    "started_at",
-)
 
 HANDED_BACK_RUN_STATUSES = frozenset(
     status for status in RECOVERABLE_RUN_STATUSES if RunStatus.QUEUED in RUN_EDGES[status]
@@ -124,21 +115,20 @@ def one_of(name: str) -> str:
 
 
 def claimable_run(run: str) -> str:
-    """A Run a worker's claim may start (:data:`ql3.domain.states.CLAIMABLE_RUN_STATUSES`)."""
-    return f"{run}.status IN ({one_of('CLAIMABLE_RUN_STATUSES')})"
+    """A Run a worker's claim may start (:data:`ql3.domain.guards.CLAIMABLE_RUN`)."""
+    return guards.text(CLAIMABLE_RUN, {"run": run})
 
 
 def pristine_attempt(attempt: str) -> str:
-    """:attr:`ql3.domain.model.Attempt.is_pristine`: a claimed dispatch slot with no worker,
+    """:data:`ql3.domain.guards.PRISTINE_ATTEMPT`: a claimed dispatch slot with no worker,
     session, offer, lease or start facts."""
-    nulls = " AND ".join(f"{attempt}.{column} IS NULL" for column in PRISTINE_NULL_COLUMNS)
-    return f"{attempt}.status = '{AttemptStatus.CLAIMED.value}' AND {nulls}"
+    return guards.text(PRISTINE_ATTEMPT, {"attempt": attempt})
 
 
 def lease_expired(lease: str) -> str:
-    """The lease's expiry has passed by the database's clock: the negation of
-    :meth:`ql3.domain.model.DispatchLease.is_live` on a ``leased`` lease."""
-    return f"{lease}.expires_at <= statement_timestamp()"
+    """:data:`ql3.domain.guards.LEASE_EXPIRED`: the lease's expiry has passed by the database's
+    clock."""
+    return guards.text(LEASE_EXPIRED, {"lease": lease}, now="statement_timestamp()")
 
 
 def retries_on_error(run: str, attempt: str) -> str:

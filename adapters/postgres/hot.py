@@ -46,7 +46,7 @@ from sqlalchemy.dialects import postgresql
 
 from ql3.adapters.postgres.batch import ADDED, JsonRows, queues_a_run
 from ql3.adapters.postgres.queries import ADVISORY_LOCK_NAMESPACE, DISPATCH_CHANNEL
-from ql3.adapters.sql import rows
+from ql3.adapters.sql import guards, rows
 from ql3.adapters.sql.merge import merge_by_run
 from ql3.adapters.sql.schema import (
     DISPATCH_GATE_ID,
@@ -62,8 +62,8 @@ from ql3.adapters.sql.schema import (
     worker_sessions,
 )
 from ql3.domain.events import RunEvent
-from ql3.domain.model import Attempt, AttemptStatus, DispatchLease, LeaseStatus, Run
-from ql3.domain.states import CLAIMABLE_RUN_STATUSES
+from ql3.domain.guards import CLAIMABLE_RUN, HANDED_BACK, UNCHANGED_SINCE_MADE
+from ql3.domain.model import Attempt, DispatchLease, LeaseStatus, Run
 
 RUN_PREFIX = "r_"
 ATTEMPT_PREFIX = "a_"
@@ -276,11 +276,9 @@ FROM s"""
 
 
 def _handed_back(alias: str) -> str:
-    """An Attempt handed back and not claimed since (``ix_run_attempts_handed_back``)."""
-    return (
-        f"{alias}.status = {_literal(AttemptStatus.CLAIMED)} AND {alias}.session_id IS NULL"
-        f" AND {alias}.updated_at > {alias}.created_at"
-    )
+    """An Attempt handed back and not claimed since (:data:`ql3.domain.guards.HANDED_BACK`, the
+    predicate of ``ix_run_attempts_handed_back``)."""
+    return guards.text(HANDED_BACK, {"attempt": alias})
 
 
 def _claimable_part(handed_back: bool) -> str:
@@ -299,7 +297,7 @@ def _claimable_part(handed_back: bool) -> str:
         order = "r.priority DESC, a.created_at, a.run_id"
     else:
         source = "runs r JOIN run_attempts a ON a.run_id = r.id AND a.number = r.attempt_count"
-        part = "a.updated_at <= a.created_at"
+        part = guards.text(UNCHANGED_SINCE_MADE, {"attempt": "a"})
         order = "r.priority DESC, r.updated_at, r.id"
     return f"""
     SELECT t.n AS task_n, ra.*
@@ -309,7 +307,7 @@ def _claimable_part(handed_back: bool) -> str:
                {_select_list(run_attempts, "a", ATTEMPT_PREFIX)}
         FROM {source}
         WHERE r.task = t.task
-          AND {_one_of("r.status", CLAIMABLE_RUN_STATUSES)}
+          AND {guards.text(CLAIMABLE_RUN, {"run": "r"})}
           AND {part}
           AND EXISTS (SELECT 1 FROM g WHERE g.{GATE_PREFIX}open)
           AND EXISTS (SELECT 1 FROM s)
@@ -556,11 +554,7 @@ def apply_statement(
             "u_run",
             runs,
             _changed(rows.run_values(before_run), rows.run_values(after_run), "id"),
-            fence={
-                "id": before_run.id,
-                "status": before_run.status.value,
-                "attempt_count": before_run.attempt_count,
-            },
+            fence={"id": before_run.id, **guards.fence_values("runs", rows.run_values(before_run))},
         )
     for index, attempt in enumerate(attempts):
         if before_attempt is not None and attempt.id == before_attempt.id:
@@ -570,8 +564,7 @@ def apply_statement(
                 _changed(rows.attempt_values(before_attempt), rows.attempt_values(attempt), "id"),
                 fence={
                     "id": before_attempt.id,
-                    "status": before_attempt.status.value,
-                    "lease_version": before_attempt.lease_version,
+                    **guards.fence_values("run_attempts", rows.attempt_values(before_attempt)),
                 },
             )
         else:
@@ -589,9 +582,7 @@ def apply_statement(
                     fence={
                         "run_id": old.run_id,
                         "generation": old.generation,
-                        "version": old.version,
-                        "status": old.status.value,
-                        "token_hash": old.token_hash,
+                        **guards.fence_values("run_dispatch_leases", rows.lease_values(old)),
                     },
                 )
         else:
@@ -614,9 +605,14 @@ def apply_statement(
 # column, most of which went to adapting the arrays' datetimes and texts.
 
 _UPDATED: tuple[tuple[str, Table, tuple[str, ...], tuple[str, ...]], ...] = (
-    ("runs", runs, ("id",), ("status", "attempt_count")),
-    ("attempts", run_attempts, ("id",), ("status", "lease_version")),
-    ("leases", run_dispatch_leases, ("run_id", "generation"), ("version", "status", "token_hash")),
+    ("runs", runs, ("id",), guards.fence_columns("runs")),
+    ("attempts", run_attempts, ("id",), guards.fence_columns("run_attempts")),
+    (
+        "leases",
+        run_dispatch_leases,
+        ("run_id", "generation"),
+        guards.fence_columns("run_dispatch_leases"),
+    ),
 )
 _INSERTED: tuple[tuple[str, Table], ...] = (
     ("new_attempts", run_attempts),
@@ -768,7 +764,7 @@ def apply_many_statement(writes: Sequence[tuple[Any, Any]]) -> ApplyMany:
             batch.update(
                 "runs",
                 ("id",),
-                {"status": first_run.status.value, "attempt_count": first_run.attempt_count},
+                guards.fence_values("runs", rows.run_values(first_run)),
                 rows.run_values(last_run),
             )
         for attempt in group.attempts.values():
@@ -778,10 +774,7 @@ def apply_many_statement(writes: Sequence[tuple[Any, Any]]) -> ApplyMany:
                 batch.update(
                     "attempts",
                     ("id",),
-                    {
-                        "status": attempt.first.status.value,
-                        "lease_version": attempt.first.lease_version,
-                    },
+                    guards.fence_values("run_attempts", rows.attempt_values(attempt.first)),
                     rows.attempt_values(attempt.last),
                 )
         for lease in group.leases.values():
@@ -791,11 +784,7 @@ def apply_many_statement(writes: Sequence[tuple[Any, Any]]) -> ApplyMany:
                 batch.update(
                     "leases",
                     ("run_id", "generation"),
-                    {
-                        "version": lease.first.version,
-                        "status": lease.first.status.value,
-                        "token_hash": lease.first.token_hash,
-                    },
+                    guards.fence_values("run_dispatch_leases", rows.lease_values(lease.first)),
                     rows.lease_values(lease.last),
                 )
     for event in merged.events:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import datetime as dt
 import enum
 from collections.abc import Iterable
-from typing import Any, TypeVar
+from typing import Any
 
 from sqlalchemy import (
     JSON,
@@ -50,8 +50,11 @@ from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.expression import ColumnElement
 from sqlalchemy.types import TypeDecorator, TypeEngine
 
+from ql3.adapters.sql import guards
+from ql3.adapters.sql.guards import in_declared_order
 from ql3.domain.credentials import CredentialEventType
 from ql3.domain.events import EventType
+from ql3.domain.guards import HANDED_BACK
 from ql3.domain.model import (
     MAX_PRIORITY,
     MIN_PRIORITY,
@@ -194,18 +197,6 @@ def _enum_values(enum_type: Any) -> list[str]:
     return [member.value for member in enum_type]
 
 
-E = TypeVar("E", bound=enum.Enum)
-
-
-def in_declared_order(statuses: Iterable[E]) -> list[E]:
-    """The members of a status set of :mod:`ql3.domain.states` in the order their enum declares
-    them: one SQL spelling of a set, whatever order it iterates in (the order the migrations
-    spell them in)."""
-    members = list(statuses)
-    if not members:
-        return []
-    declared = list(type(members[0]).__members__.values())
-    return sorted(members, key=declared.index)
 
 
 def _names(statuses: Iterable[enum.Enum]) -> list[str]:
@@ -431,9 +422,7 @@ Index(
 )
 # Attempts handed back unstarted and not claimed again (``claimed`` with no session, changed
 # since they were created): few at any time, by age. See ``ix_runs_claimable``.
-HANDED_BACK_ATTEMPT = (
-    f"status = '{AttemptStatus.CLAIMED.value}' AND session_id IS NULL AND updated_at > created_at"
-)
+HANDED_BACK_ATTEMPT = guards.text(HANDED_BACK, {"attempt": None})
 Index(
     "ix_run_attempts_handed_back",
     run_attempts.c.created_at,

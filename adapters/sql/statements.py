@@ -36,7 +36,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.sql.base import ReadOnlyColumnCollection
 
-from ql3.adapters.sql import rows
+from ql3.adapters.sql import guards, rows
 from ql3.adapters.sql.schema import (
     DISPATCH_GATE_ID,
     attempt_stop_reports,
@@ -52,6 +52,7 @@ from ql3.adapters.sql.schema import (
 )
 from ql3.application.ports import DispatchGate, StepFailure
 from ql3.domain.dispatch import TaskLimit
+from ql3.domain.guards import LEASE_EXPIRED, LEASE_LIVE, PRISTINE_ATTEMPT
 from ql3.domain.model import (
     AttemptStatus,
     DispatchLease,
@@ -135,16 +136,8 @@ def lease_columns() -> list[ColumnElement[object]]:
 def pristine(
     a: ReadOnlyColumnCollection[str, ColumnElement[Any]], spelling: Spelling
 ) -> ColumnElement[bool]:
-    """Mirror of :attr:`ql3.domain.model.Attempt.is_pristine` on columns of ``run_attempts``."""
-    return and_(
-        spelling.is_(a.status, AttemptStatus.CLAIMED),
-        a.session_id.is_(None),
-        a.worker_id.is_(None),
-        a.lease_generation.is_(None),
-        a.offered_at.is_(None),
-        a.accepted_at.is_(None),
-        a.started_at.is_(None),
-    )
+    """:data:`ql3.domain.guards.PRISTINE_ATTEMPT` on columns of ``run_attempts``."""
+    return guards.core(PRISTINE_ATTEMPT, {"attempt": a}, spelling=spelling)
 
 
 def latest_attempt_id() -> ColumnElement[str]:
@@ -201,10 +194,9 @@ def renew_lease(
             l.run_id == before.run_id,
             l.generation == before.generation,
             l.version == before.version,
-            spelling.is_(l.status, LeaseStatus.LEASED),
             l.status == before.status.value,
             token_matches,
-            l.expires_at > now,
+            guards.core(LEASE_LIVE, {"lease": l}, now=now, spelling=spelling),
         )
         .values(expires_at=after.expires_at_ms)
     )
@@ -342,7 +334,7 @@ def recovery_source(now: ColumnElement[int] | int, spelling: Spelling) -> Recove
             or_(
                 l.run_id.is_(None),
                 spelling.is_(l.status, LeaseStatus.RELEASED),
-                l.expires_at <= now,
+                guards.core(LEASE_EXPIRED, {"lease": l}, now=now, spelling=spelling),
             ),
         ),
         resolvable=or_(spelling.is_(a.status, AttemptStatus.CLAIMED), stop_reported, session_gone),

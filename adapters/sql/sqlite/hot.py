@@ -30,7 +30,7 @@ from typing import Any
 
 from sqlalchemy import JSON, Table
 
-from ql3.adapters.sql import rows
+from ql3.adapters.sql import guards, rows
 from ql3.adapters.sql.merge import merge_by_run
 from ql3.adapters.sql.schema import (
     DISPATCH_GATE_ID,
@@ -44,7 +44,13 @@ from ql3.adapters.sql.schema import (
 )
 from ql3.adapters.sql.statements import ATTEMPT_COLUMNS, LEASE_COLUMNS, RUN_COLUMNS
 from ql3.domain.errors import ConcurrencyConflict
-from ql3.domain.model import AttemptStatus, LeaseStatus
+from ql3.domain.guards import (
+    CHANGED_SINCE_MADE,
+    CLAIMABLE_RUN,
+    PRISTINE_ATTEMPT,
+    UNCHANGED_SINCE_MADE,
+)
+from ql3.domain.model import LeaseStatus
 from ql3.domain.states import CLAIMABLE_RUN_STATUSES
 
 Row = dict[str, Any]
@@ -126,13 +132,8 @@ def latest_lease_sql() -> str:
 
 
 def _pristine(a: str) -> str:
-    """Mirror of :attr:`ql3.domain.model.Attempt.is_pristine`, as
-    :func:`ql3.adapters.sql.statements. pristine`."""
-    nulls = ("session_id", "worker_id", "lease_generation", "offered_at", "accepted_at")
-    return " AND ".join(
-        [f"{a}.status = {_literal(AttemptStatus.CLAIMED)}"]
-        + [f"{a}.{name} IS NULL" for name in (*nulls, "started_at")]
-    )
+    """:data:`ql3.domain.guards.PRISTINE_ATTEMPT` on the Attempt aliased ``a``."""
+    return guards.text(PRISTINE_ATTEMPT, {"attempt": a})
 
 
 def _claimable_part(handed_back: bool) -> str:
@@ -143,15 +144,17 @@ def _claimable_part(handed_back: bool) -> str:
         source = (
             "run_attempts a CROSS JOIN runs r ON r.id = a.run_id AND r.attempt_count = a.number"
         )
-        part, order = "a.updated_at > a.created_at", "r.priority DESC, a.created_at, a.run_id"
+        part = guards.text(CHANGED_SINCE_MADE, {"attempt": "a"})
+        order = "r.priority DESC, a.created_at, a.run_id"
     else:
         source = "runs r JOIN run_attempts a ON a.run_id = r.id AND a.number = r.attempt_count"
-        part, order = "a.updated_at <= a.created_at", "r.priority DESC, r.updated_at, r.id"
+        part = guards.text(UNCHANGED_SINCE_MADE, {"attempt": "a"})
+        order = "r.priority DESC, r.updated_at, r.id"
     return (
         f"SELECT * FROM (SELECT {_select_list(runs, 'r', RUN_COLUMNS)},"
         f" {_select_list(run_attempts, 'a', ATTEMPT_COLUMNS)}"
         f" FROM {source}"
-        f" WHERE r.task = :task AND {_one_of('r.status', CLAIMABLE_RUN_STATUSES)}"
+        f" WHERE r.task = :task AND {guards.text(CLAIMABLE_RUN, {'run': 'r'})}"
         f" AND {_pristine('a')} AND {part}"
         f" ORDER BY {order} LIMIT :limit)"
     )
@@ -246,12 +249,16 @@ _KEYS: dict[str, tuple[str, ...]] = {
     "run_attempts": ("id",),
     "run_dispatch_leases": ("run_id", "generation"),
 }
-_FENCES: dict[str, tuple[tuple[str, str], ...]] = {
-    "runs": (("status", "="), ("attempt_count", "=")),
-    "run_attempts": (("status", "="), ("lease_version", "IS")),
-    "run_dispatch_leases": (("version", "="), ("status", "="), ("token_hash", "IS")),
-}
 _TABLES = {table.name: table for table in (runs, run_attempts, run_dispatch_leases, run_events)}
+_FENCES: dict[str, tuple[tuple[str, str], ...]] = {
+    table: tuple(
+        (column, "IS" if _TABLES[table].c[column].nullable else "=")
+        for column in guards.fence_columns(table)
+    )
+    for table in _KEYS
+}
+"""The domain's fences (:data:`ql3.domain.guards.FENCES`), a nullable column compared with
+``IS``."""
 
 
 @cache
