@@ -111,7 +111,9 @@ class RetryPolicy:
             raise InvalidRetryPolicy("backoff must be a Backoff")
         # An unsafe task is never executed twice: a task error is no evidence that its side
         # effects did not happen, so retrying it on error is refused at admission (ADR 0013).
-        if self.retry_on_error and self.safety not in RETRYABLE_SAFETY:
+        from ql3.domain.guards import RETRY_ON_ERROR_SAFETY, holds
+
+        if not holds(RETRY_ON_ERROR_SAFETY, {"policy": self}):
             raise InvalidRetryPolicy(
                 "retry on error needs safety idempotent or deduplicated, got "
                 + (self.safety.value if self.safety is not None else "no safety")
