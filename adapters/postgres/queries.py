@@ -55,6 +55,8 @@ from ql3.adapters.sql.schema import (
     runs,
 )
 from ql3.adapters.sql.statements import Spelling, attempt_columns, lease_columns, run_columns
+from ql3.adapters.sql.triggers import due_triggers_query
+from ql3.adapters.sql.workflows import workflow_candidates_query
 from ql3.application.ports import OPEN_GATE
 from ql3.domain.dispatch import TaskLimit
 from ql3.domain.model import DispatchLease, RunOwner, RunStatus
@@ -96,6 +98,16 @@ def store_timestamp(clock_offset_ms: int) -> ColumnElement[object]:
 def store_now(clock_offset_ms: int) -> ColumnElement[int]:
     """The store's clock as epoch milliseconds: what every time predicate compares with."""
     return type_coerce(store_timestamp(clock_offset_ms), EpochMillis())
+
+
+def due_triggers_statement(limit: int, clock_offset_ms: int = 0) -> Select:
+    """Active triggers whose next firing the store's clock reached (``ix_triggers_due``)."""
+    return due_triggers_query(limit, store_now(clock_offset_ms))
+
+
+def workflow_candidates_statement(limit: int, clock_offset_ms: int = 0) -> Select:
+    """Workflow aggregates whose frontier may move, by the store's clock."""
+    return workflow_candidates_query(limit, store_now(clock_offset_ms))
 
 
 def now_statement(clock_offset_ms: int) -> Select:

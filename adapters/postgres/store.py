@@ -39,8 +39,6 @@ from sqlalchemy.pool import PoolProxiedConnection
 from sqlalchemy.sql import Executable
 
 from ql3.adapters.postgres import hot, queries
-from ql3.adapters.postgres import triggers as trigger_pages
-from ql3.adapters.postgres import workflows as workflow_pages
 from ql3.adapters.postgres.batch import add_many_statement
 from ql3.adapters.postgres.engine import connection_ended, pooled_engine
 from ql3.adapters.postgres.outage import resume_leases_on_connect
@@ -830,12 +828,16 @@ class PostgresStore:
 
     # candidate sources: one statement each, in its own short transaction
 
-    def _page_rows(self, statement: Executable) -> tuple[int, list[rows.Row]]:
+    def _page_rows(
+        self, statement: Executable, key: str = "run_id"
+    ) -> tuple[int, list[rows.Row]]:
+        """A page statement's clock and its rows (those whose ``key`` is set: an empty page is
+        one row of NULLs beside the clock)."""
         with self.engine.connect() as connection:
             result = connection.execute(statement).mappings().all()
             connection.rollback()
         observed_at = int(result[0]["observed_at"])
-        return observed_at, [row for row in result if row["run_id"] is not None]
+        return observed_at, [row for row in result if row[key] is not None]
 
     def recovery_candidates(self, limit: int) -> Page[RecoveryCandidate]:
         check_page_limit(limit)
@@ -889,7 +891,15 @@ class PostgresStore:
         return statements.gate_from_row(row)
 
     def due_triggers(self, limit: int) -> Page[DueTrigger]:
-        return trigger_pages.due_triggers(self, limit)
+        """Active triggers whose next firing the database clock reached (``ix_triggers_due``)."""
+        check_page_limit(limit)
+        statement = queries.due_triggers_statement(limit, self._clock_offset_ms)
+        now, found = self._page_rows(statement, key="trigger_id")
+        items = tuple(
+            DueTrigger(trigger_id=row["trigger_id"], next_fire_at_ms=int(row["next_fire_at"]))
+            for row in found
+        )
+        return Page(items=items[:limit], has_more=len(items) > limit, observed_at_ms=now)
 
     def record_node_cycle(self, cycle: NodeCycle) -> None:
         now = queries.store_now(self._clock_offset_ms)
@@ -915,7 +925,15 @@ class PostgresStore:
         return view
 
     def workflow_candidates(self, limit: int) -> Page[RunCandidate]:
-        return workflow_pages.workflow_candidates(self, limit)
+        """Workflow aggregates whose frontier may move (the frontier's candidate page)."""
+        check_page_limit(limit)
+        statement = queries.workflow_candidates_statement(limit, self._clock_offset_ms)
+        now, found = self._page_rows(statement)
+        items = tuple(
+            RunCandidate(run_id=row["run_id"], attempt_id=None, since_ms=int(row["since"]))
+            for row in found
+        )
+        return Page(items=items[:limit], has_more=len(items) > limit, observed_at_ms=now)
 
 
 if TYPE_CHECKING:

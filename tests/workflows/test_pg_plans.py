@@ -14,9 +14,8 @@ from sqlalchemy.pool import NullPool
 from sqlalchemy.sql import ClauseElement, Executable
 from sqlalchemy.sql.compiler import SQLCompiler
 
+from ql3.adapters.postgres.queries import due_triggers_statement, workflow_candidates_statement
 from ql3.adapters.postgres.store import PostgresStore
-from ql3.adapters.postgres.triggers import due_triggers_statement
-from ql3.adapters.postgres.workflows import workflow_candidates_statement
 from ql3.application.triggers import TriggerDefinition
 from tests.scheduling_support import runtime
 
