@@ -17,6 +17,12 @@ class InvalidPageSize(Error, ValueError):
     """A page budget outside 1..HARD_PAGE_CAP."""
 
 
+def check_page_limit(limit: int, name: str = "limit") -> None:
+    """Page sizes are 1..HARD_PAGE_CAP; anything else is a caller's bug."""
+    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= HARD_PAGE_CAP:
+        raise ValueError(f"{name} must be an integer within 1..{HARD_PAGE_CAP}, got {limit!r}")
+
+
 def validate_page_size(page_size: int | None, default: int = DEFAULT_PAGE_SIZE) -> int:
     """The page size to use: ``default`` when none is given; 1..64 otherwise."""
     size = default if page_size is None else page_size

@@ -11,11 +11,11 @@ from ql3.domain.model import WorkerSession
 from ql3.domain.states import OPEN_SESSION_STATUSES
 
 if TYPE_CHECKING:
-    from ql3.adapters.memory.store import MemoryUnitOfWork
+    from ql3.adapters.memory.state import StateAccess
 
 
 class MemoryCredentialRepository:
-    def __init__(self, uow: MemoryUnitOfWork) -> None:
+    def __init__(self, uow: StateAccess) -> None:
         self._uow = uow
 
     def add(self, credential: WorkerCredential) -> None:

@@ -12,14 +12,14 @@ from ql3.application.ports import PrunableRun, PrunedRows, PruneMark
 from ql3.domain.history import is_prunable
 
 if TYPE_CHECKING:
-    from ql3.adapters.memory.store import MemoryUnitOfWork, _State
+    from ql3.adapters.memory.state import State, StateAccess
 
 
 def _ids(picked: Sequence[PrunableRun]) -> list[str]:
     return [p.run_id for p in picked] + [s for p in picked for s in p.step_run_ids]
 
 
-def _rows(state: _State, picked: Sequence[PrunableRun]) -> PrunedRows:
+def _rows(state: State, picked: Sequence[PrunableRun]) -> PrunedRows:
     ids = _ids(picked)
     wanted = set(ids)
     attempts = [a for run_id in ids for a in state.run_attempts.get(run_id, ())]
@@ -35,7 +35,7 @@ def _rows(state: _State, picked: Sequence[PrunableRun]) -> PrunedRows:
 
 
 class MemoryHistoryRepository:
-    def __init__(self, uow: MemoryUnitOfWork) -> None:
+    def __init__(self, uow: StateAccess) -> None:
         self._uow = uow
 
     def prunable(

@@ -19,7 +19,7 @@ from ql3.domain.triggers import Trigger, TriggerFiring, TriggerStatus
 from ql3.domain.workflows import StepStatus, WorkflowStep, needs_frontier
 
 if TYPE_CHECKING:
-    from ql3.adapters.memory.store import MemoryUnitOfWork, _State
+    from ql3.adapters.memory.state import State, StateAccess
 
 FiringKey = tuple[str, int]
 
@@ -30,7 +30,7 @@ def _conflict(message: str) -> ConcurrencyConflict:
     return ConcurrencyConflict(message)
 
 
-def _live_name_taken(state: _State, trigger: Trigger) -> bool:
+def _live_name_taken(state: State, trigger: Trigger) -> bool:
     return trigger.status is not TriggerStatus.DELETED and any(
         other.id != trigger.id
         and other.name == trigger.name
@@ -40,7 +40,7 @@ def _live_name_taken(state: _State, trigger: Trigger) -> bool:
 
 
 class MemoryTriggerRepository:
-    def __init__(self, uow: MemoryUnitOfWork) -> None:
+    def __init__(self, uow: StateAccess) -> None:
         self._uow = uow
 
     def add(self, trigger: Trigger) -> None:
@@ -106,7 +106,7 @@ class MemoryTriggerRepository:
         return tuple(found[:limit])
 
 
-def _check_step(state: _State, step: WorkflowStep, ignore: WorkflowStep | None = None) -> None:
+def _check_step(state: State, step: WorkflowStep, ignore: WorkflowStep | None = None) -> None:
     """The CHECK and foreign keys of ``workflow_steps``."""
     if step.workflow_run_id not in state.runs:
         raise _conflict(f"workflow run {step.workflow_run_id} does not exist")
@@ -124,7 +124,7 @@ def _check_step(state: _State, step: WorkflowStep, ignore: WorkflowStep | None =
 
 
 class MemoryWorkflowRepository:
-    def __init__(self, uow: MemoryUnitOfWork) -> None:
+    def __init__(self, uow: StateAccess) -> None:
         self._uow = uow
 
     def add_steps(self, steps: Sequence[WorkflowStep]) -> None:
@@ -174,7 +174,7 @@ class MemoryWorkflowRepository:
         return None
 
 
-def session_capacity(state: _State, session_id: str) -> SessionCapacity | None:
+def session_capacity(state: State, session_id: str) -> SessionCapacity | None:
     session = state.sessions.get(session_id)
     if session is None:
         return None
@@ -186,7 +186,7 @@ def session_capacity(state: _State, session_id: str) -> SessionCapacity | None:
     return SessionCapacity(session=session, in_flight=in_flight)
 
 
-def claimable(state: _State, tasks: Sequence[str], limit_per_task: int) -> list[Snapshot]:
+def claimable(state: State, tasks: Sequence[str], limit_per_task: int) -> list[Snapshot]:
     """Pristine Attempts of ``queued`` Runs of the tasks, highest priority first, then oldest
     first within each task."""
     wanted = frozenset(tasks)
@@ -207,7 +207,7 @@ def claimable(state: _State, tasks: Sequence[str], limit_per_task: int) -> list[
     return found
 
 
-def in_flight_by_task(state: _State, tasks: Sequence[str]) -> dict[str, int]:
+def in_flight_by_task(state: State, tasks: Sequence[str]) -> dict[str, int]:
     wanted = frozenset(tasks)
     counts: dict[str, int] = {}
     for lease in state.leases.values():
@@ -221,7 +221,7 @@ def in_flight_by_task(state: _State, tasks: Sequence[str]) -> dict[str, int]:
 # --- candidate sources ----------------------------------------------------------------------------
 
 
-def due_triggers(state: _State, now_ms: int, limit: int) -> Page[DueTrigger]:
+def due_triggers(state: State, now_ms: int, limit: int) -> Page[DueTrigger]:
     due = sorted(
         (
             t
@@ -236,7 +236,7 @@ def due_triggers(state: _State, now_ms: int, limit: int) -> Page[DueTrigger]:
     return Page(items=items, has_more=len(due) > limit, observed_at_ms=now_ms)
 
 
-def workflow_candidates(state: _State, now_ms: int, limit: int) -> Page[RunCandidate]:
+def workflow_candidates(state: State, now_ms: int, limit: int) -> Page[RunCandidate]:
     found = []
     for run in state.runs.values():
         if run.owner is not RunOwner.WORKFLOW:

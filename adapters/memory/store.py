@@ -28,9 +28,9 @@ from ql3.adapters.memory import scheduling
 from ql3.adapters.memory.clock import FakeClock
 from ql3.adapters.memory.credentials import MemoryCredentialRepository
 from ql3.adapters.memory.history import MemoryHistoryRepository
+from ql3.adapters.memory.state import State
+from ql3.application.budgets import check_page_limit
 from ql3.application.ports import (
-    HARD_PAGE_CAP,
-    OPEN_GATE,
     ClaimLock,
     CredentialRepository,
     DispatchGate,
@@ -54,7 +54,6 @@ from ql3.application.ports import (
     WorkflowRepository,
     no_connection_hold,
 )
-from ql3.domain.credentials import CredentialEvent, WorkerCredential
 from ql3.domain.dispatch import TaskLimit
 from ql3.domain.errors import ConcurrencyConflict
 from ql3.domain.guards import CLAIMABLE_RUN, LEASE_LIVE, fence_matches, holds
@@ -75,100 +74,11 @@ from ql3.domain.states import (
     OPEN_SESSION_STATUSES,
 )
 from ql3.domain.transitions import Change
-from ql3.domain.triggers import Trigger, TriggerFiring
-from ql3.domain.workflows import WorkflowStep
 
 if TYPE_CHECKING:
     from ql3.application.ports import SchedulerStore, SchedulerUnitOfWork
 
-LeaseKey = tuple[str, int]
 SinceOf = Callable[[Run], int]
-
-
-def check_page_limit(limit: int, name: str = "limit") -> None:
-    """Page sizes are 1..HARD_PAGE_CAP; anything else is a caller's bug."""
-    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= HARD_PAGE_CAP:
-        raise ValueError(f"{name} must be an integer within 1..{HARD_PAGE_CAP}, got {limit!r}")
-
-
-# --- state ---------------------------------------------------------------------------------------
-
-
-@dataclass
-class _State:
-    """Committed (or overlay) state. Values are frozen domain objects or tuples of them, so a
-    shallow copy of each dict is an independent snapshot."""
-
-    runs: dict[str, Run] = field(default_factory=dict)
-    attempts: dict[str, Attempt] = field(default_factory=dict)
-    # run id -> its attempt ids ordered by number
-    run_attempts: dict[str, tuple[str, ...]] = field(default_factory=dict)
-    leases: dict[LeaseKey, DispatchLease] = field(default_factory=dict)
-    # run id -> its lease generations in ascending order
-    run_leases: dict[str, tuple[int, ...]] = field(default_factory=dict)
-    # run id -> its events ordered by sequence
-    events: dict[str, tuple[StoredEvent, ...]] = field(default_factory=dict)
-    last_sequence: int = 0
-    sessions: dict[str, WorkerSession] = field(default_factory=dict)
-    # attempt id -> its stop reports in the order they were recorded
-    reports: dict[str, tuple[StopReport, ...]] = field(default_factory=dict)
-    triggers: dict[str, Trigger] = field(default_factory=dict)
-    # (trigger id, scheduled time) -> the firing: the unique firing key
-    firings: dict[tuple[str, int], TriggerFiring] = field(default_factory=dict)
-    # workflow run id -> its steps ordered by position
-    workflow_steps: dict[str, tuple[WorkflowStep, ...]] = field(default_factory=dict)
-    gate: DispatchGate = OPEN_GATE
-    credentials: dict[str, WorkerCredential] = field(default_factory=dict)
-    credential_events: tuple[CredentialEvent, ...] = ()
-    # unique key -> the unfinished Run holding it (the partial unique index, ADR 0015)
-    unique_keys: dict[str, str] = field(default_factory=dict)
-    task_limits: dict[str, TaskLimit] = field(default_factory=dict)
-
-    def copy(self) -> _State:
-        return replace(
-            self,
-            runs=dict(self.runs),
-            unique_keys=dict(self.unique_keys),
-            attempts=dict(self.attempts),
-            run_attempts=dict(self.run_attempts),
-            leases=dict(self.leases),
-            run_leases=dict(self.run_leases),
-            events=dict(self.events),
-            sessions=dict(self.sessions),
-            reports=dict(self.reports),
-            triggers=dict(self.triggers),
-            firings=dict(self.firings),
-            workflow_steps=dict(self.workflow_steps),
-            credentials=dict(self.credentials),
-            task_limits=dict(self.task_limits),
-        )
-
-    # reads shared by the repositories and the sources
-
-    def attempts_of(self, run_id: str) -> tuple[Attempt, ...]:
-        return tuple(self.attempts[a] for a in self.run_attempts.get(run_id, ()))
-
-    def latest_attempt(self, run_id: str) -> Attempt | None:
-        ids = self.run_attempts.get(run_id, ())
-        return self.attempts[ids[-1]] if ids else None
-
-    def leases_of(self, run_id: str) -> tuple[DispatchLease, ...]:
-        return tuple(self.leases[(run_id, g)] for g in self.run_leases.get(run_id, ()))
-
-    def own_lease(self, attempt: Attempt) -> DispatchLease | None:
-        """The lease of the Attempt's exact generation, if it exists."""
-        if attempt.lease_generation is None:
-            return None
-        return self.leases.get((attempt.run_id, attempt.lease_generation))
-
-    def snapshot(self, run: Run, attempt: Attempt | None) -> Snapshot:
-        lease: DispatchLease | None
-        if attempt is not None and attempt.lease_generation is not None:
-            lease = self.own_lease(attempt)
-        else:
-            generations = self.run_leases.get(run.id, ())
-            lease = self.leases[(run.id, generations[-1])] if generations else None
-        return Snapshot(run=run, attempt=attempt, lease=lease)
 
 
 @dataclass
@@ -193,7 +103,7 @@ def _conflict(message: str) -> ConcurrencyConflict:
     return ConcurrencyConflict(message)
 
 
-def _check_invariants(state: _State, writes: _Writes, change: Change) -> None:
+def _check_invariants(state: State, writes: _Writes, change: Change) -> None:
     """What the PostgreSQL schema enforces with foreign keys, CHECKs and partial unique indexes,
     on the state after ``writes``."""
     run_ids = writes.run_ids() | {change.event.run_id}
@@ -223,7 +133,7 @@ def _check_invariants(state: _State, writes: _Writes, change: Change) -> None:
             raise _conflict(f"run {run_id} would hold more than one leased lease")
 
 
-def _check_unique_key(state: _State, run: Run) -> None:
+def _check_unique_key(state: State, run: Run) -> None:
     """At most one unfinished Run per unique key (ADR 0015)."""
     if run.unique_key is None or run.status.is_terminal:
         return
@@ -232,17 +142,17 @@ def _check_unique_key(state: _State, run: Run) -> None:
         raise _conflict(f"an unfinished run holds the unique key of run {run.id}")
 
 
-def _check_attempt_insert(state: _State, attempt: Attempt, writes: _Writes) -> None:
+def _check_attempt_insert(state: State, attempt: Attempt, writes: _Writes) -> None:
     if attempt.id in state.attempts or attempt.id in writes.attempts:
         raise _conflict(f"attempt {attempt.id} already exists")
 
 
-def _check_lease_insert(state: _State, lease: DispatchLease) -> None:
+def _check_lease_insert(state: State, lease: DispatchLease) -> None:
     if (lease.run_id, lease.generation) in state.leases:
         raise _conflict(f"lease {lease.run_id}/{lease.generation} already exists")
 
 
-def _install(state: _State, writes: _Writes, change: Change) -> None:
+def _install(state: State, writes: _Writes, change: Change) -> None:
     """Write checked rows and append the change's event. ``state`` must be writable."""
     if writes.run is not None:
         state.runs[writes.run.id] = writes.run
@@ -288,8 +198,8 @@ class MemoryUnitOfWork:
     def __init__(self, store: MemoryStore) -> None:
         self._store = store
         self._entered = False
-        self._base: _State | None = None
-        self._overlay: _State | None = None
+        self._base: State | None = None
+        self._overlay: State | None = None
         self.runs: RunRepository = MemoryRunRepository(self)
         self.sessions: WorkerSessionRegistry = MemorySessionRegistry(self)
         self.evidence: EvidenceRepository = MemoryEvidenceRepository(self)
@@ -328,7 +238,7 @@ class MemoryUnitOfWork:
             self._base = self._overlay
             self._overlay = None
 
-    def read(self) -> _State:
+    def read(self) -> State:
         """The state this transaction sees: its own writes over the committed state."""
         self._require_active()
         if self._overlay is not None:
@@ -336,7 +246,7 @@ class MemoryUnitOfWork:
         assert self._base is not None
         return self._base
 
-    def write(self) -> _State:
+    def write(self) -> State:
         """The overlay, copied from the committed state on the first write."""
         self._require_active()
         if self._overlay is None:
@@ -557,7 +467,7 @@ class MemorySessionRegistry:
         )
 
     @staticmethod
-    def _check_one_open_per_worker(state: _State, session: WorkerSession) -> None:
+    def _check_one_open_per_worker(state: State, session: WorkerSession) -> None:
         if session.status not in OPEN_SESSION_STATUSES:
             return
         others = [
@@ -617,7 +527,7 @@ class MemoryStore:
     def __init__(self, clock: FakeClock | None = None) -> None:
         self.clock = clock if clock is not None else FakeClock()
         self._lock = threading.RLock()
-        self._state = _State()
+        self._state = State()
         self._active: MemoryUnitOfWork | None = None
         self._closed = False
         self._nodes: dict[str, NodeCycle] = {}
@@ -636,7 +546,7 @@ class MemoryStore:
         with self._lock:
             self._closed = True
 
-    def _begin(self, uow: MemoryUnitOfWork) -> _State:
+    def _begin(self, uow: MemoryUnitOfWork) -> State:
         self._lock.acquire()
         try:
             self._require_open()
@@ -650,7 +560,7 @@ class MemoryStore:
         self._active = uow
         return self._state
 
-    def _install(self, state: _State) -> None:
+    def _install(self, state: State) -> None:
         self._state = state
 
     def _end(self, uow: MemoryUnitOfWork) -> None:
@@ -662,7 +572,7 @@ class MemoryStore:
         if self._closed:
             raise RuntimeError("the store is closed")
 
-    def _committed(self) -> tuple[_State, int]:
+    def _committed(self) -> tuple[State, int]:
         """The committed state and the clock, read together. Call with the lock held."""
         self._require_open()
         return self._state, self.clock.now_ms()
@@ -802,7 +712,7 @@ class MemoryStore:
 
     @staticmethod
     def _run_page(
-        state: _State,
+        state: State,
         ordered: Sequence[Run],
         limit: int,
         now: int,
@@ -822,7 +732,7 @@ class MemoryStore:
 
 
 def _ranked_recovery_candidates(
-    state: _State, now: int
+    state: State, now: int
 ) -> list[tuple[tuple[int, int, int, str], RecoveryCandidate]]:
     """Every recovery candidate, in the order of the page (resolvable first, then by expiry)."""
     ranked: list[tuple[tuple[int, int, int, str], RecoveryCandidate]] = []

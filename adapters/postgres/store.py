@@ -59,13 +59,13 @@ from ql3.adapters.sql.repositories import (
     SqlGateRepository,
     SqlRunRepository,
     SqlSessionRegistry,
-    check_page_limit,
 )
 from ql3.adapters.sql.statements import ATTEMPT_COLUMNS, LEASE_COLUMNS, RUN_COLUMNS
 from ql3.adapters.sql.transaction import ConnectionTransaction
 from ql3.adapters.sql.transaction import conflicts_translated as _conflicts_translated
 from ql3.adapters.sql.triggers import SqlTriggerRepository
 from ql3.adapters.sql.workflows import SqlWorkflowRepository
+from ql3.application.budgets import check_page_limit
 from ql3.application.ports import (
     ClaimLock,
     CredentialRepository,

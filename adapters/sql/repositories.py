@@ -17,19 +17,13 @@ from sqlalchemy import Insert, Select
 
 from ql3.adapters.sql import rows, statements
 from ql3.adapters.sql.transaction import SqlReader, SqlTransaction
-from ql3.application.ports import HARD_PAGE_CAP, DispatchGate, StoredEvent
+from ql3.application.ports import DispatchGate, StoredEvent
 from ql3.domain.dispatch import TaskLimit
 from ql3.domain.model import Attempt, DispatchLease, Run, RunStatus, StopReport, WorkerSession
 from ql3.domain.transitions import Change
 
 R = TypeVar("R", bound=SqlReader)
 W = TypeVar("W", bound=SqlTransaction)
-
-
-def check_page_limit(limit: int, name: str = "limit") -> None:
-    """Page sizes are 1..HARD_PAGE_CAP; anything else is a caller's bug."""
-    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= HARD_PAGE_CAP:
-        raise ValueError(f"{name} must be an integer within 1..{HARD_PAGE_CAP}, got {limit!r}")
 
 
 class DialectQueries(Protocol):

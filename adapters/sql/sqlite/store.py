@@ -66,7 +66,6 @@ from ql3.adapters.sql.repositories import (
     SqlGateRepository,
     SqlRunRepository,
     SqlSessionRegistry,
-    check_page_limit,
 )
 from ql3.adapters.sql.schema import metadata, runs, worker_sessions
 from ql3.adapters.sql.sqlite import hot, queries
@@ -80,6 +79,7 @@ from ql3.adapters.sql.statements import ATTEMPT_COLUMNS, LEASE_COLUMNS, RUN_COLU
 from ql3.adapters.sql.transaction import ConnectionTransaction, conflicts_translated
 from ql3.adapters.sql.triggers import SqlTriggerRepository, due_triggers_query
 from ql3.adapters.sql.workflows import SqlWorkflowRepository, workflow_candidates_query
+from ql3.application.budgets import check_page_limit
 from ql3.application.ports import (
     OPEN_GATE,
     ClaimLock,
