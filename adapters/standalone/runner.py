@@ -1,10 +1,9 @@
-"""The Standalone and Edge process: boot with startup recovery, then one loop that claims work
-for the in-process pool through the worker protocol and runs the cadence.
+"""The Standalone and Edge process: boot with startup recovery, then one loop that executes
+work through the remote worker's own protocol loop and runs the cadence.
 
 Boot
-    1. Take the database's exclusive lock (:mod:`ql3.adapters.standalone.exclusive`): from here on
-    no
-       other process executes work on this database.
+    1. Take the database's exclusive lock (:mod:`ql3.adapters.standalone.exclusive`): from here
+       on no other process executes work on this database.
     2. Register this process's worker session under the worker id every executing process of
        the database uses. The open session of the previous process is marked ``replaced``:
        trusted evidence that what it started no longer runs.
@@ -18,20 +17,28 @@ Boot
 
 Loop
     One thread (the caller of :meth:`StandaloneRunner.serve`) is the only one that speaks to the
-    store, through the worker protocol's commands
-    (:class:`ql3.application.worker_commands.WorkerCommands`), so the same transitions apply as for
-    a remote worker (ADR 0007):
+    store. It executes work as a remote worker does, through the worker SDK's
+    :class:`~ql3.adapters.worker.ledger.Ledger` (what the process holds, phase by phase),
+    :func:`~ql3.adapters.worker.claimer.claim_once` and
+    :class:`~ql3.adapters.worker.reporter.Reporter`, over
+    :class:`~ql3.adapters.worker.inprocess.InProcessTransport`: each call is a call of the
+    worker commands (:class:`ql3.application.worker_commands.WorkerCommands`) in this process,
+    so the same transitions apply as for a remote worker (ADR 0007, ADR 0023). Tasks run on the
+    in-process pool (:mod:`ql3.adapters.standalone.pool`), whose slots the ledger fills, not in
+    child processes. This loop plays the remote worker's claimer, reporter and watchdog:
 
-    - Work is pulled: one ``claim`` asks for the pool's free capacity, carries the completions of
-      the tasks that finished since the last call and states what the pool holds (``held``), all
+    - Work is pulled: one ``claim`` asks for the free slots, carries the completions of the
+      tasks that finished since the last call and states what the process holds (``held``), all
       in one transaction; every Attempt it grants is started on the pool at once. The loop claims
       when something may be queued for it (after boot, a wake-up, a cycle that queued work, or a
-      claim that filled its whole limit) and it has free capacity. Finished tasks otherwise
-      complete with ``complete_many``.
-    - Leases of running Attempts are renewed (``renew_many``) every third of the TTL. The
+      claim that filled its whole limit) and a slot is free; finished tasks wait for that claim.
+      Otherwise the reporter sends them alone, with hand-backs and abandons.
+    - The reporter renews the held leases every third of the TTL, as a remote worker's does. The
       session sends no heartbeat: the process owns the database (the exclusive lock), so its
       liveness concerns nobody else and a restart replaces its session; an idle process writes
-      nothing (ADR 0012).
+      nothing (ADR 0012). For the same reason there is no self-fencing: no one else recovers its
+      leases while it runs.
+    - A task past its run's timeout is stopped by the ledger and reported as timed out at once.
     - The cadence (:class:`ql3.adapters.standalone.steps.StandaloneCoordinator`: due retries,
       trigger schedule, workflow frontier, task attempt admission, the dispatch gate step) runs
       on the resident cadence, when a due time the store names is reached, and after wake-ups
@@ -39,8 +46,9 @@ Loop
       a busy loop pays for the cadence a few times a second, not once per Run.
 
     Between passes the loop blocks in ``select`` on the database's wake channel and its own
-    pipe. A commit that queues a Run pokes the wake channel (the store does), so an admission
-    from any process is claimed within milliseconds, without polling. Standalone
+    pipe, for as long as :meth:`StandaloneRunner._timeout` (the one place every wake-up is
+    computed) allows. A commit that queues a Run pokes the wake channel (the store does), so an
+    admission from any process is claimed within milliseconds, without polling. Standalone
     (``resident_cadence_s`` set) also wakes on that cadence. Edge (``resident_cadence_s`` None)
     has no resident wake-up: an idle Edge process sleeps until the wake channel is poked, a task
     finishes, a lease needs renewing, or the next due time (a retry's ``next_attempt_at_ms``, a
@@ -48,7 +56,7 @@ Loop
 
 Stop
     :meth:`StandaloneRunner.request_stop` (signal-safe) ends the loop: the session drains (no new
-    claims), a grant that arrives meanwhile is handed back unstarted (``release_many``), running
+    claims), a grant that arrives meanwhile is handed back unstarted (``release``), running
     tasks get up to ``drain_timeout_s`` to finish (a second request cuts this short), any still
     running are abandoned (lost with the worker's own report as evidence), and the session is
     closed.
@@ -121,6 +129,8 @@ _EVENT_LINES = {
     Event.RUN_CANCELLED: "{label}: its run was cancelled; stopping the task",
     Event.LEASE_REFUSED: "{label} lost its lease: {detail}",
 }
+# What the store took as a task's end: a cycle follows (a workflow's next step).
+_FINISHED = frozenset({Event.COMPLETED, Event.COMPLETION_CANCELLED, Event.COMPLETION_REFUSED})
 # The ledger's own log lines repeat what the runner says through ``emit``.
 _QUIET = logging.getLogger("ql3.standalone.ledger")
 _QUIET.addHandler(logging.NullHandler())
@@ -499,7 +509,10 @@ class StandaloneRunner:
             self._ledger.set_mode(Mode.DRAINING)
 
     def _on_event(self, event: Event, held: Held, detail: str) -> None:
-        """What the ledger settled, as the process's lines."""
+        """What the ledger settled, as the process's lines. A finished task may let its
+        workflow go on: the frontier runs soon."""
+        if event in _FINISHED and not self._stop_requested.is_set():
+            self._schedule.cycle_requested = True
         grant = held.grant
         label = f"run {grant.run_id} attempt {grant.attempt_number} ({grant.task})"
         outcome = held.outcome
