@@ -609,7 +609,7 @@ class StandaloneRunner:
             if claims and schedule.claim_due and ledger.room() > 0:
                 deadlines.append(not_before)
             report = self._reporter.due_at(heartbeat=False)
-        if report is not None:
+        if report is not None and math.isfinite(report):  # inf: finished tasks await a claim
             deadlines.append(max(report, not_before))
         deadlines.extend(
             h.timeout_at for h in ledger.entries(Phase.RUNNING) if h.timeout_at is not None
