@@ -243,7 +243,7 @@ class StandaloneRunner:
         self._ledger.log = _QUIET
         self._ledger.on_event = self._on_event
         self._ledger.add_slots(self._slots.handles)
-        timings = Timings.in_process(commands.lease_ttl_ms)
+        timings = Timings.in_process(self._transport.lease_ttl_ms)
         self._ledger.probe_s = timings.ttl_s / 3
         self._reporter = Reporter(
             self._transport,
