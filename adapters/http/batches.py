@@ -22,13 +22,13 @@ from ql3.adapters.http.schemas import (
     ItemResultBody,
     ReleaseBatch,
 )
+from ql3.adapters.worker.protocol import ITEM_STATUS
 from ql3.application.worker_commands import (
     Abandonment,
     BatchAnswer,
     BatchOutcome,
     Completion,
     ItemResult,
-    Rejection,
     Release,
 )
 from ql3.domain.fence import LeaseFence
@@ -45,15 +45,6 @@ batch_routes = APIRouter(
     },
 )
 
-# The status a refused item would have got as a call of its own.
-ITEM_STATUS = {
-    Rejection.FENCE: 409,
-    Rejection.STATE: 409,
-    Rejection.SESSION: 409,
-    Rejection.CONFLICT: 409,
-    Rejection.UNKNOWN_ATTEMPT: 404,
-    Rejection.INVALID: 422,
-}
 
 
 def fence_of(item: FenceItem) -> LeaseFence:
@@ -79,7 +70,7 @@ def item_document(result: ItemResult) -> dict[str, Any]:
     """One item's result as :class:`ItemResultBody` spells it, as plain JSON values."""
     return {
         "attempt_id": result.attempt_id,
-        "status": 200 if result.rejection is None else ITEM_STATUS[result.rejection],
+        "status": 200 if result.rejection is None else ITEM_STATUS[result.rejection.value],
         "outcome": result.outcome.value if result.outcome else None,
         "expires_at_ms": result.expires_at_ms,
         "error": result.rejection.value if result.rejection else None,

@@ -1,10 +1,9 @@
-"""The Standalone and Edge process: boot with startup recovery, then one loop that claims work
-for the in-process pool through the worker protocol and runs the cadence.
+"""The Standalone and Edge process: boot with startup recovery, then one loop that executes
+work through the remote worker's own protocol loop and runs the cadence.
 
 Boot
-    1. Take the database's exclusive lock (:mod:`ql3.adapters.standalone.exclusive`): from here on
-    no
-       other process executes work on this database.
+    1. Take the database's exclusive lock (:mod:`ql3.adapters.standalone.exclusive`): from here
+       on no other process executes work on this database.
     2. Register this process's worker session under the worker id every executing process of
        the database uses. The open session of the previous process is marked ``replaced``:
        trusted evidence that what it started no longer runs.
@@ -18,20 +17,28 @@ Boot
 
 Loop
     One thread (the caller of :meth:`StandaloneRunner.serve`) is the only one that speaks to the
-    store, through the worker protocol's commands
-    (:class:`ql3.application.worker_commands.WorkerCommands`), so the same transitions apply as for
-    a remote worker (ADR 0007):
+    store. It executes work as a remote worker does, through the worker SDK's
+    :class:`~ql3.adapters.worker.ledger.Ledger` (what the process holds, phase by phase),
+    :func:`~ql3.adapters.worker.claimer.claim_once` and
+    :class:`~ql3.adapters.worker.reporter.Reporter`, over
+    :class:`~ql3.adapters.worker.inprocess.InProcessTransport`: each call is a call of the
+    worker commands (:class:`ql3.application.worker_commands.WorkerCommands`) in this process,
+    so the same transitions apply as for a remote worker (ADR 0007, ADR 0023). Tasks run on the
+    in-process pool (:mod:`ql3.adapters.standalone.pool`), whose slots the ledger fills, not in
+    child processes. This loop plays the remote worker's claimer, reporter and watchdog:
 
-    - Work is pulled: one ``claim`` asks for the pool's free capacity, carries the completions of
-      the tasks that finished since the last call and states what the pool holds (``held``), all
+    - Work is pulled: one ``claim`` asks for the free slots, carries the completions of the
+      tasks that finished since the last call and states what the process holds (``held``), all
       in one transaction; every Attempt it grants is started on the pool at once. The loop claims
       when something may be queued for it (after boot, a wake-up, a cycle that queued work, or a
-      claim that filled its whole limit) and it has free capacity. Finished tasks otherwise
-      complete with ``complete_many``.
-    - Leases of running Attempts are renewed (``renew_many``) every third of the TTL. The
+      claim that filled its whole limit) and a slot is free; finished tasks wait for that claim.
+      Otherwise the reporter sends them alone, with hand-backs and abandons.
+    - The reporter renews the held leases every third of the TTL, as a remote worker's does. The
       session sends no heartbeat: the process owns the database (the exclusive lock), so its
       liveness concerns nobody else and a restart replaces its session; an idle process writes
-      nothing (ADR 0012).
+      nothing (ADR 0012). For the same reason there is no self-fencing: no one else recovers its
+      leases while it runs.
+    - A task past its run's timeout is stopped by the ledger and reported as timed out at once.
     - The cadence (:class:`ql3.adapters.standalone.steps.StandaloneCoordinator`: due retries,
       trigger schedule, workflow frontier, task attempt admission, the dispatch gate step) runs
       on the resident cadence, when a due time the store names is reached, and after wake-ups
@@ -39,8 +46,9 @@ Loop
       a busy loop pays for the cadence a few times a second, not once per Run.
 
     Between passes the loop blocks in ``select`` on the database's wake channel and its own
-    pipe. A commit that queues a Run pokes the wake channel (the store does), so an admission
-    from any process is claimed within milliseconds, without polling. Standalone
+    pipe, for as long as :meth:`StandaloneRunner._timeout` (the one place every wake-up is
+    computed) allows. A commit that queues a Run pokes the wake channel (the store does), so an
+    admission from any process is claimed within milliseconds, without polling. Standalone
     (``resident_cadence_s`` set) also wakes on that cadence. Edge (``resident_cadence_s`` None)
     has no resident wake-up: an idle Edge process sleeps until the wake channel is poked, a task
     finishes, a lease needs renewing, or the next due time (a retry's ``next_attempt_at_ms``, a
@@ -48,7 +56,7 @@ Loop
 
 Stop
     :meth:`StandaloneRunner.request_stop` (signal-safe) ends the loop: the session drains (no new
-    claims), a grant that arrives meanwhile is handed back unstarted (``release_many``), running
+    claims), a grant that arrives meanwhile is handed back unstarted (``release``), running
     tasks get up to ``drain_timeout_s`` to finish (a second request cuts this short), any still
     running are abandoned (lost with the worker's own report as evidence), and the session is
     closed.
@@ -57,6 +65,7 @@ Stop
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import select
@@ -67,23 +76,17 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from ql3.adapters.execution import TaskMapping
-from ql3.adapters.standalone.pool import Execution, InProcessPool, Outcome, describe_error
+from ql3.adapters.standalone.pool import InProcessPool, PoolSlots, describe_error
+from ql3.adapters.worker.claimer import claim_once
+from ql3.adapters.worker.inprocess import InProcessTransport
+from ql3.adapters.worker.ledger import CANCELLED, Event, Held, Kill, Ledger, Mode, Phase
+from ql3.adapters.worker.protocol import Registration
+from ql3.adapters.worker.reporter import Reporter
+from ql3.adapters.worker.settings import Timings
 from ql3.application.scheduler import Coordinator, CycleSummary
 from ql3.application.startup import StartupRecovery, StartupReport
-from ql3.application.worker_commands import (
-    MAX_BATCH_ITEMS,
-    MAX_CLAIM,
-    Abandonment,
-    BatchOutcome,
-    ClaimAnswer,
-    Completion,
-    ItemResult,
-    NoGrant,
-    Release,
-    SessionGrant,
-    WorkerCommands,
-)
-from ql3.domain.errors import DomainError, FenceReason
+from ql3.application.worker_commands import NoGrant, WorkerCommands
+from ql3.domain.errors import DomainError
 from ql3.domain.retry import timed_out_error
 
 Emit = Callable[[str], None]
@@ -95,6 +98,9 @@ RETRY_FAILED_CYCLE_S = 1.0
 NO_PROGRESS_BACKOFF_S = 5.0
 # Cycles asked for by wake-ups and finished tasks run at most this often.
 MIN_CYCLE_GAP_S = 0.25
+# On the way out, what the store could not decide yet is sent again for this long at most.
+FINAL_REPORT_S = 1.0
+FINAL_REPORT_PAUSE_S = 0.05
 # The count of a cycle step that says it queued a Run: the loop claims after such a cycle.
 _QUEUED_WORK = (
     ("due_retries", "attempts_created"),
@@ -102,6 +108,33 @@ _QUEUED_WORK = (
     ("workflow_frontier", "steps_admitted"),
     ("task_attempt_admission", "gate_opened"),
 )
+# How a hand-back's cause reads in the process's lines.
+_CAUSES = {
+    "drain": "the process is stopping",
+    "worker_stopped": "the process is stopping",
+    "slot_failed": "slot failed to start",
+    "no_free_slot": "no free slot",
+}
+_EVENT_LINES = {
+    Event.STARTED: "{label} started",
+    Event.COMPLETED: "{label} finished",
+    Event.COMPLETION_CANCELLED: "{label} finished after its run was cancelled: outcome discarded",
+    Event.COMPLETION_REFUSED: "{label} finished, but its outcome was refused: {detail}",
+    Event.STOPPED_CANCELLED: "{label} ended: its run was cancelled (outcome discarded)",
+    Event.ABANDONED: "{label} abandoned: {detail}",
+    Event.ABANDON_REFUSED: "{label} not abandoned: {detail}",
+    Event.RELEASED: "{label} handed back unstarted: {detail}",
+    Event.RELEASE_CANCELLED: "{label} not started: its run was cancelled",
+    Event.RELEASE_REFUSED: "{label} not handed back: {detail}",
+    Event.RUN_CANCELLED: "{label}: its run was cancelled; stopping the task",
+    Event.LEASE_REFUSED: "{label} lost its lease: {detail}",
+}
+# What the store took as a task's end: a cycle follows (a workflow's next step).
+_FINISHED = frozenset({Event.COMPLETED, Event.COMPLETION_CANCELLED, Event.COMPLETION_REFUSED})
+# The ledger's own log lines repeat what the runner says through ``emit``.
+_QUIET = logging.getLogger("ql3.standalone.ledger")
+_QUIET.addHandler(logging.NullHandler())
+_QUIET.propagate = False
 
 
 class DueTimes(Protocol):
@@ -191,7 +224,7 @@ class StandaloneRunner:
     ) -> None:
         if not tasks:
             raise ValueError("the runner needs at least one task")
-        self._commands = commands
+        self._transport = InProcessTransport(commands)
         self._coordinator = coordinator
         self._startup = startup
         self._due_times = due_times
@@ -203,10 +236,26 @@ class StandaloneRunner:
         os.set_blocking(self._pipe_r, False)
         os.set_blocking(self._pipe_w, False)
         self._pool = InProcessPool(tasks, self._poke_self)
+        # The remote worker's ledger and reporter, over the in-process transport and slots
+        # (ADR 0023); this loop is their claimer, reporter and watchdog thread at once.
+        self._slots = PoolSlots(self._pool, settings.capacity, self._poke_self)
+        self._ledger = Ledger(settings.capacity, claims_alongside=False)
+        self._ledger.log = _QUIET
+        self._ledger.on_event = self._on_event
+        self._ledger.add_slots(self._slots.handles)
+        timings = Timings.in_process(self._transport.lease_ttl_ms)
+        self._ledger.probe_s = timings.ttl_s / 3
+        self._reporter = Reporter(
+            self._transport,
+            self._ledger,
+            timings,
+            grace_s=_no_grace,
+            kill=self._stop_tasks,
+            on_node_drain=_ignore,
+        )
         self._wake: WakeSource | None = None
-        self._grant: SessionGrant | None = None
-        self._in_flight: dict[str, Execution] = {}
-        self._unreported: list[Outcome] = []
+        self._registration: Registration | None = None
+        self._left_running: set[str] = set()  # stopped tasks whose thread the drain left behind
         self._schedule = _Schedule()
         self._gate_reason: str | None = None
         self._stop_requested = threading.Event()
@@ -223,11 +272,13 @@ class StandaloneRunner:
 
     @property
     def session_id(self) -> str | None:
-        return self._grant.session_id if self._grant else None
+        return self._registration.session_id if self._registration else None
 
     @property
     def in_flight(self) -> int:
-        return len(self._in_flight)
+        """Attempts the process holds (running, or being reported)."""
+        with self._ledger.lock:
+            return self._ledger.holding()
 
     def boot(self) -> BootReport:
         """Exclusive lock, session, startup recovery. Once: later calls return the same report."""
@@ -240,10 +291,10 @@ class StandaloneRunner:
                 self._exclusive.acquire()
             if self._open_wake is not None and self._wake is None:
                 self._wake = self._open_wake()
-            grant = self._commands.register(
+            grant = self._transport.register(
                 self.settings.worker_id, self.settings.capacity, self._pool.task_names
             )
-            self._grant = grant
+            self._registration = grant
             report = self._startup.run()
             second_pass = self._schedule_second_pass(at_boot=True)
         except BaseException:
@@ -302,9 +353,8 @@ class StandaloneRunner:
     # --- the loop -------------------------------------------------------------------------------
 
     def _step(self) -> None:
-        self._unreported.extend(self._finished())
+        self._slots.deliver(self._ledger)
         self._stop_timed_out()
-        self._renew_due_leases()
         self._exchange()
         if self._cycle_due():
             self._cycle()
@@ -364,227 +414,122 @@ class StandaloneRunner:
             self._emit(f"cycle failed: {describe_error(error)}")
             schedule.retry_failed = time.monotonic() + RETRY_FAILED_CYCLE_S
 
-    # --- claims and completions -------------------------------------------------------------------
-
-    def _finished(self) -> list[Outcome]:
-        """What the pool's tasks returned, but for those already reported as timed out."""
-        return [
-            o
-            for o in self._pool.finished()
-            if not ((e := self._in_flight.get(o.attempt_id)) is not None and e.timed_out)
-        ]
+    # --- the worker protocol, through the ledger -------------------------------------------------
 
     def _stop_timed_out(self) -> None:
-        """Every task that ran past its run's timeout fails as timed out at once: an async task
-        is cancelled; a plain function's thread cannot be stopped, it runs on and what it
-        returns is dropped (ADR 0013)."""
-        now = time.monotonic()
-        ended = {o.attempt_id for o in self._unreported}
-        for execution in self._in_flight.values():
-            at = execution.timeout_at
-            attempt_id = execution.grant.attempt_id
-            if execution.timed_out or at is None or now < at or attempt_id in ended:
-                continue
-            execution.timed_out = True
-            self._pool.cancel(attempt_id)
-            self._unreported.append(
-                Outcome(attempt_id=attempt_id, succeeded=False, error="timed out", timed_out=True)
-            )
+        """Every task that ran past its run's timeout fails as timed out at once: the ledger
+        stops it (an async task is cancelled) and its failure is reported now; a plain
+        function's thread cannot be stopped, it runs on and what it returns is dropped
+        (ADR 0013)."""
+        kills = self._ledger.timed_out(time.monotonic())
+        for slot, attempt_id in kills:
+            slot.kill(attempt_id)
+            self._slots.detach(attempt_id)
+        if kills:
+            self._slots.deliver(self._ledger)
 
-    def _free(self, reporting: int) -> int:
-        """Free slots of the pool once ``reporting`` finished tasks are reported."""
-        return self.settings.capacity - (len(self._in_flight) - reporting)
+    def _stop_tasks(self, kills: Sequence[Kill]) -> None:
+        """Stop the tasks whose renewal was refused (their Run was cancelled, or the lease is
+        gone): an async task is cancelled; each is reported as stopped once it has ended."""
+        for slot, attempt_id in kills:
+            slot.kill(attempt_id)
 
     def _exchange(self) -> None:
-        """One call to the store for the pool: report what finished and, while something may
-        be queued and a slot is free, claim as many Attempts as there are free slots, in the
-        same transaction (``claim``); otherwise report with ``complete_many``. Outcomes that
-        could not be reported (the database stayed locked) are kept for the next call."""
+        """The calls to the store that are due, in one pass: while something may be queued and
+        a slot is free, one claim asks for the free slots and carries the completions ready now
+        (``claim``, one transaction); then the reporter sends what is left (completions alone,
+        hand-backs, abandons, renewals). A call that failed (the database stayed locked) is
+        made again :data:`RETRY_FAILED_CYCLE_S` later; what it carried is kept."""
         schedule = self._schedule
-        now = time.monotonic()
-        if schedule.call_retry_at is not None and now < schedule.call_retry_at:
-            return
-        outcomes = [o for o in self._unreported if o.attempt_id in self._in_flight]
-        stopped = [o for o in outcomes if self._in_flight[o.attempt_id].cancelled]
-        if stopped:
-            self._report_stopped(stopped)
-            outcomes = [o for o in outcomes if o.attempt_id in self._in_flight]
-            stopped = [o for o in outcomes if self._in_flight[o.attempt_id].cancelled]
-            outcomes = [o for o in outcomes if not self._in_flight[o.attempt_id].cancelled]
-        batch, rest = outcomes[:MAX_BATCH_ITEMS], outcomes[MAX_BATCH_ITEMS:]
-        self._unreported = stopped + rest
-        stopping = self._stop_requested.is_set()
-        limit = 0
-        if schedule.claim_due and not stopping:
-            limit = min(MAX_CLAIM, self._free(len(batch)))
-        if not batch and limit <= 0:
-            return
-        grant = self._require_session()
-        completions = [
-            Completion(
-                fence=self._in_flight[o.attempt_id].fence,
-                succeeded=o.succeeded,
-                output=o.output,
-                error=o.error,
-                timed_out=o.timed_out,
-            )
-            for o in batch
-        ]
-        answer: ClaimAnswer | None = None
-        try:
-            if limit > 0:
-                held = sorted(self._in_flight)
-                answer = self._commands.claim(
-                    grant.session_id,
-                    grant.secret,
-                    limit=limit,
-                    completions=completions,
-                    held=held if len(held) <= MAX_CLAIM * 4 else None,
-                )
-                self.claims += 1
-                results: Sequence[ItemResult] = answer.completed
-            else:
-                results = self._commands.complete_many(
-                    grant.session_id, grant.secret, completions
-                ).results
-        except Exception as error:
-            self._unreported = batch + self._unreported
-            what = "claiming" if limit > 0 else "reporting outcomes"
-            self._emit(f"{what} failed: {describe_error(error)}")
-            schedule.call_retry_at = now + RETRY_FAILED_CYCLE_S
+        if schedule.call_retry_at is not None and time.monotonic() < schedule.call_retry_at:
             return
         schedule.call_retry_at = None
-        self._settle(batch, results)
-        if answer is not None:
-            self._take(answer, limit)
-
-    def _report_stopped(self, outcomes: Sequence[Outcome]) -> None:
-        """Tasks whose Run was cancelled ended (an async task let itself be cancelled, or any
-        task returned): their stop is reported with ``abandon`` instead of a completion, and
-        whatever they returned is discarded (ADR 0017). Kept for the next call if it fails."""
-        grant = self._require_session()
-        chosen = outcomes[:MAX_BATCH_ITEMS]
-        executions = [self._in_flight[o.attempt_id] for o in chosen]
-        try:
-            self._commands.abandon_many(
-                grant.session_id,
-                grant.secret,
-                [Abandonment(fence=e.fence, detail="its run was cancelled") for e in executions],
-            )
-        except Exception as error:
-            self._emit(f"reporting stopped tasks failed: {describe_error(error)}")
-            return
-        for execution in executions:
-            del self._in_flight[execution.grant.attempt_id]
-            self._emit(f"{execution.label} ended: its run was cancelled (outcome discarded)")
-
-    def _settle(self, outcomes: Sequence[Outcome], results: Sequence[ItemResult]) -> None:
-        for outcome, result in zip(outcomes, results, strict=True):
-            execution = self._in_flight.pop(outcome.attempt_id)
-            label = execution.label
-            if result.reason == FenceReason.CANCELLED.value:
-                self._emit(f"{label} finished after its run was cancelled: outcome discarded")
-            elif not result.ok:
-                self._emit(f"{label} finished, but its outcome was refused: {result.message}")
-            elif outcome.succeeded:
-                self._emit(f"{label} succeeded")
-            elif outcome.timed_out:
-                self._emit(f"{label} {timed_out_error(execution.grant.timeout_ms or 0)}")
-            else:
-                self._emit(f"{label} failed: {outcome.error}")
-        if outcomes and not self._stop_requested.is_set():
-            # A finished step may let its workflow go on: the frontier runs soon.
-            self._schedule.cycle_requested = True
-
-    def _take(self, answer: ClaimAnswer, limit: int) -> None:
-        """Start every granted Attempt on the pool; hand back those that cannot start."""
-        schedule = self._schedule
-        for attempt_id in answer.released:
-            self._emit(f"attempt {attempt_id} handed back: this process did not hold it")
-        now = time.monotonic()
-        renew_at = now + self._renew_every()
-        unstarted: list[tuple[Execution, str]] = []
-        for grant in answer.grants:
-            execution = Execution(
-                grant=grant,
-                renew_at=renew_at,
-                timeout_at=now + grant.timeout_ms / 1000 if grant.timeout_ms else None,
-            )
-            if self._stop_requested.is_set():
-                unstarted.append((execution, "the process is stopping"))
-                continue
+        unstarted = False
+        if schedule.claim_due and not self._stop_requested.is_set():
             try:
-                self._pool.start(execution)
-            except Exception as error:  # no thread to be had
-                unstarted.append((execution, f"slot failed to start: {describe_error(error)}"))
-                continue
-            self._in_flight[grant.attempt_id] = execution
-            self._emit(f"{execution.label} started")
-        if unstarted:
-            self._hand_back(unstarted)
+                unstarted = self._claim()
+            except Exception as error:
+                self._call_failed("claiming", error)
+                return
+        self._claim_next()
+        try:
+            self._reporter.report(time.monotonic(), heartbeat=False)
+        except Exception as error:
+            self._call_failed("reporting to the store", error)
+            return
+        if unstarted:  # a grant could not start here: do not claim it again at once
             schedule.call_retry_at = time.monotonic() + RETRY_FAILED_CYCLE_S
+
+    def _claim_next(self) -> None:
+        """Tell the ledger whether the next call is a claim: then finished tasks wait for it,
+        to ride it, instead of being reported alone."""
+        with self._ledger.lock:
+            self._ledger.claim_next = (
+                self._schedule.claim_due
+                and not self._stop_requested.is_set()
+                and self._ledger.room() > 0
+            )
+
+    def _call_failed(self, what: str, error: BaseException) -> None:
+        self._emit(f"{what} failed: {describe_error(error)}")
+        self._schedule.call_retry_at = time.monotonic() + RETRY_FAILED_CYCLE_S
+
+    def _claim(self) -> bool:
+        """One claim for the free slots, if there are any; True when one of its grants could
+        not start here (it is handed back)."""
+        ledger = self._ledger
+        with ledger.lock:
+            plan = ledger.begin_claim(time.monotonic()) if ledger.room() > 0 else None
+        if plan is None:
+            return False
+        result = claim_once(self._transport, ledger, plan, before_settle=self._stop_claims)
+        self.claims += 1
+        if result is None:  # a completion it carried was refused: each goes alone
+            return False
+        for attempt_id in result.released:
+            self._emit(f"attempt {attempt_id} handed back: this process did not hold it")
+        self._slots.deliver(ledger)  # grants the pool could not start
+        granted = {g.attempt_id for g in result.grants}
+        unstarted = any(h.attempt_id in granted for h in ledger.entries(Phase.UNSTARTED))
         # A claim that filled its limit may have left more behind; otherwise nothing is queued
         # for this process until a wake-up or a cycle says so.
-        schedule.claim_due = len(answer.grants) >= limit and not unstarted
-        if answer.no_grant is NoGrant.GATE_CLOSED:
-            if answer.detail != self._gate_reason:
-                self._emit(f"the dispatch gate is closed: {answer.detail}")
-            self._gate_reason = answer.detail
-        elif self._gate_reason is not None and answer.grants:
+        self._schedule.claim_due = len(result.grants) >= plan.limit and not unstarted
+        if result.no_grant == NoGrant.GATE_CLOSED.value:
+            if result.detail != self._gate_reason:
+                self._emit(f"the dispatch gate is closed: {result.detail}")
+            self._gate_reason = result.detail
+        elif self._gate_reason is not None and result.grants:
             self._gate_reason = None
+        return unstarted
 
-    def _hand_back(self, unstarted: Sequence[tuple[Execution, str]]) -> None:
-        """Give granted Attempts back unstarted: each Run is queued again, with no verdict. If
-        this fails, the next claim's ``held`` statement hands them back."""
-        grant = self._require_session()
-        try:
-            answer = self._commands.release_many(
-                grant.session_id,
-                grant.secret,
-                [Release(fence=e.fence, cause=cause) for e, cause in unstarted],
-            )
-        except Exception as error:
-            self._emit(f"handing back {len(unstarted)} attempt(s) failed: {describe_error(error)}")
-            return
-        for (execution, cause), result in zip(unstarted, answer.results, strict=True):
-            if result.ok:
-                self._emit(f"{execution.label} handed back unstarted: {cause}")
+    def _stop_claims(self) -> None:
+        """Between a claim's answer and its settling: once a stop was asked for, what it
+        granted is handed back unstarted."""
+        if self._stop_requested.is_set():
+            self._ledger.set_mode(Mode.DRAINING)
+
+    def _on_event(self, event: Event, held: Held, detail: str) -> None:
+        """What the ledger settled, as the process's lines. A finished task may let its
+        workflow go on: the frontier runs soon."""
+        if event in _FINISHED and not self._stop_requested.is_set():
+            self._schedule.cycle_requested = True
+        grant = held.grant
+        label = f"run {grant.run_id} attempt {grant.attempt_number} ({grant.task})"
+        outcome = held.outcome
+        if event is Event.COMPLETED and outcome is not None:
+            if outcome.succeeded:
+                line = f"{label} succeeded"
+            elif held.timed_out:
+                line = f"{label} {timed_out_error(grant.timeout_ms or 0)}"
             else:
-                self._emit(f"{execution.label} not handed back: {result.message}")
-
-    def _renew_due_leases(self) -> None:
-        grant = self._grant
-        if grant is None:
-            return
-        now = time.monotonic()
-        due = [e for e in self._in_flight.values() if not e.orphaned and e.renew_at <= now]
-        if not due:
-            return
-        try:
-            answer = self._commands.renew_many(
-                grant.session_id, grant.secret, [e.fence for e in due]
-            )
-        except Exception as error:  # the database stayed locked: try again soon
-            for execution in due:
-                execution.renew_at = now + min(RETRY_FAILED_CYCLE_S, self._renew_every())
-            self._emit(f"lease renewal failed: {describe_error(error)}")
-            return
-        for execution, result in zip(due, answer.results, strict=True):
-            if result.ok:
-                execution.renew_at = now + self._renew_every()
-                continue
-            # The lease's authority is gone: an async task is cancelled; any other task keeps
-            # running, but the fence will refuse its outcome.
-            execution.orphaned = True
-            self._pool.cancel(execution.grant.attempt_id)
-            if result.reason == FenceReason.CANCELLED.value:
-                execution.cancelled = True
-                self._emit(f"{execution.label}: its run was cancelled; stopping the task")
-            else:
-                self._emit(f"{execution.label} lost its lease: {result.message}")
-
-    def _renew_every(self) -> float:
-        return self._commands.lease_ttl_ms / 3000
+                line = f"{label} failed: {outcome.error}"
+        elif event is Event.STOPPED_CANCELLED and held.attempt_id in self._left_running:
+            line = f"{label} left running: its run was cancelled (outcome discarded)"
+        elif event is Event.RELEASED:
+            line = f"{label} handed back unstarted: {_CAUSES.get(detail, detail)}"
+        else:
+            line = _EVENT_LINES[event].format(label=label, detail=detail or held.detail)
+        self._emit(line)
 
     # --- sleeping -------------------------------------------------------------------------------
 
@@ -632,30 +577,44 @@ class StandaloneRunner:
         return at is not None and at <= self._due_times.now_ms()
 
     def _timeout(self) -> float | None:
-        """Seconds the loop may sleep; None: until something wakes it."""
+        """Seconds the loop may sleep; None: until something wakes it. Every reason the loop
+        wakes by itself is here: the resident cadence (Standalone), a failed cycle's retry, an
+        asked-for cycle once ``MIN_CYCLE_GAP_S`` has passed, what the worker protocol has due
+        (a claim, a report, a renewal, a task's timeout) and the store's next due time. With
+        none of them (an idle Edge process), it sleeps until poked."""
         schedule = self._schedule
         now = time.monotonic()
         deadlines = [at for at in (schedule.next_resident, schedule.retry_failed) if at is not None]
         if schedule.cycle_requested:
             last = schedule.last_cycle_at
             deadlines.append(now if last is None else last + MIN_CYCLE_GAP_S)
-        if self._unreported or (schedule.claim_due and self._free(0) > 0):
-            # Outcomes left to report, or a claim that filled its limit with slots still free.
-            deadlines.append(schedule.call_retry_at or now)
-        deadlines.extend(
-            execution.renew_at for execution in self._in_flight.values() if not execution.orphaned
-        )
-        deadlines.extend(
-            e.timeout_at
-            for e in self._in_flight.values()
-            if e.timeout_at is not None and not e.timed_out
-        )
+        deadlines.extend(self._protocol_deadlines(now, claims=True))
         store_due = self._store_due()
         if store_due is not None:
             deadlines.append(now + max(0, store_due - self._due_times.now_ms()) / 1000)
         if not deadlines:
             return None
         return max(0.0, min(deadlines) - now)
+
+    def _protocol_deadlines(self, now: float, *, claims: bool) -> list[float]:
+        """When the worker protocol next needs the loop: a claim that may find work for a
+        free slot, the reporter's next report or renewal, a running task's timeout. Calls wait
+        for ``call_retry_at`` after one failed."""
+        schedule = self._schedule
+        ledger = self._ledger
+        not_before = schedule.call_retry_at or now
+        deadlines: list[float] = []
+        self._claim_next()
+        with ledger.lock:
+            if claims and schedule.claim_due and ledger.room() > 0:
+                deadlines.append(not_before)
+            report = self._reporter.due_at(heartbeat=False)
+        if report is not None and math.isfinite(report):  # inf: finished tasks await a claim
+            deadlines.append(max(report, not_before))
+        deadlines.extend(
+            h.timeout_at for h in ledger.entries(Phase.RUNNING) if h.timeout_at is not None
+        )
+        return deadlines
 
     def _wait(self, timeout: float | None) -> None:
         descriptors = [self._pipe_r]
@@ -693,63 +652,71 @@ class StandaloneRunner:
     def _shutdown(self) -> None:
         if self._closed:
             return
-        grant = self._grant
         try:
-            if grant is not None:
-                self._drain(grant)
+            if self._registration is not None:
+                self._drain()
         finally:
             self._release_resources()
 
-    def _drain(self, grant: SessionGrant) -> None:
+    def _drain(self) -> None:
+        ledger = self._ledger
+        ledger.set_mode(Mode.DRAINING)
         with contextlib.suppress(DomainError):
-            self._commands.drain(grant.session_id, grant.secret)
-        if self._in_flight:
-            self._emit(f"draining: waiting for {len(self._in_flight)} running attempt(s)")
+            self._transport.drain()
+        running = len(ledger.entries(Phase.RUNNING))
+        if running:
+            self._emit(f"draining: waiting for {running} running attempt(s)")
         deadline = time.monotonic() + self.settings.drain_timeout_s
         while self._awaited() and time.monotonic() < deadline and not self._hurry.is_set():
-            self._unreported.extend(self._finished())
+            self._slots.deliver(ledger)
             self._stop_timed_out()
-            self._exchange()  # stopping: completions only
-            self._renew_due_leases()
+            self._exchange()  # stopping: completions, hand-backs and renewals only
             if not self._awaited():
                 break
-            wake_at = [deadline]
-            wake_at.extend(e.renew_at for e in self._in_flight.values() if not e.orphaned)
-            wake_at.extend(
-                e.timeout_at
-                for e in self._in_flight.values()
-                if e.timeout_at is not None and not e.timed_out
-            )
-            if self._unreported:
-                wake_at.append(self._schedule.call_retry_at or time.monotonic())
-            self._wait(max(0.0, min(wake_at) - time.monotonic()))
-        self._unreported.extend(self._finished())
-        self._schedule.call_retry_at = None
-        self._exchange()
-        left = list(self._in_flight.values())
-        if left:
-            detail = "the process stopped before the task finished"
-            answer = self._commands.abandon_many(
-                grant.session_id,
-                grant.secret,
-                [Abandonment(fence=e.fence, detail=detail) for e in left],
-            )
-            for execution, result in zip(left, answer.results, strict=True):
-                what = "abandoned" if result.ok else f"not abandoned: {result.message}"
-                if result.outcome is BatchOutcome.CANCELLED:
-                    what = "left running: its run was cancelled (outcome discarded)"
-                self._emit(
-                    f"run {execution.grant.run_id} attempt {execution.grant.attempt_number} {what}"
-                )
-        self._in_flight.clear()
+            now = time.monotonic()
+            wake_at = [deadline, *self._protocol_deadlines(now, claims=False)]
+            self._wait(max(0.0, min(wake_at) - now))
+        # What still runs is stopped and reported abandoned; so is a task that ignores the
+        # cancellation of its Run (its thread runs on, forgotten).
+        for slot, attempt_id in ledger.stop_running(
+            "the process stopped before the task finished", "worker_stopped"
+        ):
+            slot.kill(attempt_id)
+            self._slots.detach(attempt_id)
+        for held in ledger.entries(Phase.STOPPING):
+            self._left_running.add(held.attempt_id)
+            self._slots.detach(held.attempt_id)
+        self._slots.deliver(ledger)
+        self._report_last()
         with contextlib.suppress(DomainError):
-            self._commands.close(grant.session_id, grant.secret)
+            self._transport.close()
         self._emit("stopped")
 
+    def _report_last(self) -> None:
+        """Report what is left, trying again for a short while what the store could not
+        decide yet."""
+        ledger = self._ledger
+        deadline = time.monotonic() + FINAL_REPORT_S
+        while True:
+            try:
+                self._reporter.report(time.monotonic(), heartbeat=False)
+            except Exception as error:
+                self._emit(f"reporting to the store failed: {describe_error(error)}")
+                return
+            with ledger.lock:
+                if ledger.settled() or time.monotonic() >= deadline:
+                    return
+            time.sleep(FINAL_REPORT_PAUSE_S)
+
     def _awaited(self) -> bool:
-        """A drain waits for running tasks, but not for those whose Run was cancelled (a task
-        that ignores its cancellation would hold the drain up for nothing)."""
-        return any(not e.cancelled for e in self._in_flight.values())
+        """A drain waits for running tasks and their reports, but not for those whose Run was
+        cancelled (a task that ignores its cancellation would hold the drain up for nothing),
+        nor for a stop the store only recorded."""
+        return any(
+            h.phase is not Phase.RECORDED
+            and not (h.phase is Phase.STOPPING and h.cause == CANCELLED)
+            for h in self._ledger.entries()
+        )
 
     def _release_resources(self) -> None:
         self._closed = True
@@ -765,10 +732,10 @@ class StandaloneRunner:
                 with contextlib.suppress(OSError):
                     os.close(fd)
 
-    def _require_session(self) -> SessionGrant:
-        if self._grant is None:
+    def _require_session(self) -> Registration:
+        if self._registration is None:
             raise RuntimeError("the runner has not booted")
-        return self._grant
+        return self._registration
 
 
 def _drain_pipe(fd: int) -> None:
@@ -778,4 +745,12 @@ def _drain_pipe(fd: int) -> None:
 
 
 def _silent(_line: str) -> None:
+    return None
+
+
+def _no_grace() -> float:
+    return 0.0
+
+
+def _ignore(_why: str) -> None:
     return None

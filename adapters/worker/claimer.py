@@ -8,7 +8,10 @@ grant was in an answer that never arrived is not in it, and the node hands it ba
 
 Before a claim it gives busy slots a moment (a quarter of a claim's round trip, at most
 :data:`COALESCE_MAX_S`) to free as well, so that their completions share the claim and their
-slots are refilled by it: without it, short tasks settle into waves of half the slots each."""
+slots are refilled by it: without it, short tasks settle into waves of half the slots each.
+
+:func:`claim_once` sends one claim and settles its answer in the ledger: the claimer's thread
+calls it, and so does the Standalone runner's loop, which has no claimer thread (ADR 0023)."""
 
 from __future__ import annotations
 
@@ -16,8 +19,8 @@ import logging
 import time
 from collections.abc import Callable
 
-from ql3.adapters.worker.client import ClaimResult, IngressClient, IngressRefused
 from ql3.adapters.worker.ledger import ClaimPlan, Ledger, Mode
+from ql3.adapters.worker.protocol import ClaimResult, IngressRefused, Transport
 from ql3.adapters.worker.settings import Timings
 
 log = logging.getLogger("ql3.worker")
@@ -32,10 +35,42 @@ NOT_ACTIVE = "session_not_active"
 NO_CAPACITY = "no_capacity"
 
 
+def claim_once(
+    transport: Transport,
+    ledger: Ledger,
+    plan: ClaimPlan,
+    *,
+    wait_ms: int = 0,
+    before_settle: Callable[[], None] | None = None,
+) -> ClaimResult | None:
+    """Send the claim ``plan`` took and settle its answer (its completions, then its grants,
+    each straight into a free slot). None when one of its completions made the claim
+    unacceptable (an output too large, say): each then goes alone, where a refused one can be
+    told apart. ``before_settle`` runs between the answer and its settling."""
+    try:
+        result = transport.claim(
+            plan.limit, wait_ms, plan.held, [h.completion() for h in plan.completions]
+        )
+    except IngressRefused as error:
+        if error.session_lost or not plan.completions:
+            ledger.claim_failed(plan, refused=False)
+            raise
+        log.warning("a claim with %d completion(s) was refused: %s", len(plan.completions), error)
+        ledger.claim_failed(plan, refused=True)
+        return None
+    except BaseException:
+        ledger.claim_failed(plan, refused=False)
+        raise
+    if before_settle is not None:
+        before_settle()
+    ledger.end_claim(plan, result)
+    return result
+
+
 class Claimer:
     def __init__(
         self,
-        client: IngressClient,
+        client: Transport,
         ledger: Ledger,
         timings: Timings,
         on_node_drain: Callable[[str], None],
@@ -103,27 +138,11 @@ class Claimer:
     def _claim(self, plan: ClaimPlan) -> None:
         wait_ms = self._timings.claim_wait_ms if plan.limit > 0 else 0
         calls = self._client.other_calls
-        try:
-            result = self._client.claim(
-                plan.limit, wait_ms, plan.held, [h.completion() for h in plan.completions]
-            )
-        except IngressRefused as error:
-            if error.session_lost or not plan.completions:
-                self._ledger.claim_failed(plan, refused=False)
-                raise
-            # A completion made the claim unacceptable (an output too large, say): each goes
-            # alone, where a refused one can be told apart, and the claim is made again.
-            log.warning(
-                "a claim with %d completion(s) was refused: %s", len(plan.completions), error
-            )
-            self._ledger.claim_failed(plan, refused=True)
+        result = claim_once(self._client, self._ledger, plan, wait_ms=wait_ms)
+        if result is None:  # its completions go alone; the claim is made again
             return
-        except BaseException:
-            self._ledger.claim_failed(plan, refused=False)
-            raise
         self.claims += 1
         elapsed = time.monotonic() - result.sent_at
-        self._ledger.end_claim(plan, result)
         self._after(plan, result, elapsed, woken=self._client.other_calls != calls)
 
     def _after(self, plan: ClaimPlan, result: ClaimResult, elapsed: float, woken: bool) -> None:

@@ -27,197 +27,47 @@ from typing import Any
 
 import httpx
 
-JsonValue = Any
-MAX_BATCH_ITEMS = 256  # the ingress's limit per fenced batch, and per claim's completions
-MAX_CLAIM = 256  # the most one claim asks for
+from ql3.adapters.worker.protocol import (
+    MAX_BATCH_ITEMS,
+    MAX_CLAIM,
+    Abandonment,
+    BatchResult,
+    ClaimResult,
+    Completion,
+    Fence,
+    GrantData,
+    Heartbeat,
+    IngressRefused,
+    IngressUnavailable,
+    ItemAnswer,
+    JsonValue,
+    Registration,
+    Release,
+)
+
+__all__ = [
+    "MAX_BATCH_ITEMS",
+    "MAX_CLAIM",
+    "Abandonment",
+    "BatchResult",
+    "ClaimResult",
+    "Completion",
+    "Fence",
+    "GrantData",
+    "Heartbeat",
+    "IngressClient",
+    "IngressRefused",
+    "IngressUnavailable",
+    "ItemAnswer",
+    "Registration",
+    "Release",
+]
+
 RETRY_INITIAL_S = 0.05  # the first pause before a call is repeated
 RETRY_CAP_S = 1.0  # the longest pause between two tries
 DEFAULT_RETRY_BUDGET_S = 30.0
 GIVE_UP_POLL_S = 0.05  # how often a pause between tries asks whether to give up
 STORE_UNAVAILABLE = 503  # the ingress's answer while its store is down
-
-
-class IngressUnavailable(Exception):
-    """The ingress could not be reached or kept failing for the whole retry budget; nothing is
-    known about the outcome, unless ``sent`` is false: then no request ever left (no
-    connection), and nothing changed. ``store_down``: the ingress answered that its store is
-    unavailable (503)."""
-
-    def __init__(self, message: str, *, sent: bool = True, store_down: bool = False) -> None:
-        super().__init__(message)
-        self.sent = sent
-        self.store_down = store_down
-
-
-class IngressRefused(Exception):
-    """The ingress refused the call (4xx); nothing changed."""
-
-    def __init__(self, status: int, error: str, message: str, reason: str | None = None):
-        super().__init__(f"{status} {error}: {message}")
-        self.status = status
-        self.error = error
-        self.message = message
-        self.reason = reason
-
-    @property
-    def session_lost(self) -> bool:
-        """The session itself is gone: unknown, wrong secret, closed or replaced."""
-        return self.error in {"unknown_session", "unauthorized", "session_rejected"}
-
-
-@dataclass(frozen=True, slots=True)
-class Registration:
-    session_id: str
-    secret: str
-    replaced_session_ids: tuple[str, ...]
-    lease_ttl_ms: int
-    heartbeat_interval_ms: int
-    now_ms: int
-
-
-@dataclass(frozen=True, slots=True)
-class Heartbeat:
-    status: str
-    now_ms: int
-
-
-@dataclass(frozen=True, slots=True)
-class Fence:
-    attempt_id: str
-    generation: int
-    version: int
-    token: str
-
-    def body(self) -> dict[str, JsonValue]:
-        return {
-            "attempt_id": self.attempt_id,
-            "generation": self.generation,
-            "version": self.version,
-            "token": self.token,
-        }
-
-
-@dataclass(frozen=True, slots=True)
-class GrantData:
-    """An Attempt a claim started for this session: its task may begin at once. The token was
-    minted by the node for this lease and is sent once, in the claim's answer."""
-
-    run_id: str
-    attempt_id: str
-    attempt_number: int
-    task: str
-    input: JsonValue
-    generation: int
-    version: int
-    token: str
-    expires_at_ms: int
-    idempotency_key: str
-    timeout_ms: int | None = None  # the run's execution timeout
-
-    @property
-    def timeout_s(self) -> float | None:
-        return self.timeout_ms / 1000 if self.timeout_ms is not None else None
-
-    @property
-    def fence(self) -> Fence:
-        return Fence(
-            attempt_id=self.attempt_id,
-            generation=self.generation,
-            version=self.version,
-            token=self.token,
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class Completion:
-    """A task's outcome; ``timed_out``: a failure, the task stopped at its run's timeout."""
-
-    fence: Fence
-    succeeded: bool
-    output: JsonValue = None
-    error: str | None = None
-    timed_out: bool = False
-
-    def body(self) -> dict[str, JsonValue]:
-        body: dict[str, JsonValue] = {
-            **self.fence.body(),
-            "succeeded": self.succeeded,
-            "output": self.output if self.succeeded else None,
-            "error": None if self.succeeded else self.error,
-        }
-        if self.timed_out and not self.succeeded:
-            body["timed_out"] = True
-        return body
-
-
-@dataclass(frozen=True, slots=True)
-class Release:
-    """Hand back an Attempt whose task never began here."""
-
-    fence: Fence
-    cause: str
-
-    def body(self) -> dict[str, JsonValue]:
-        return {**self.fence.body(), "cause": self.cause[:500]}
-
-
-@dataclass(frozen=True, slots=True)
-class Abandonment:
-    """A task that began here was stopped."""
-
-    fence: Fence
-    detail: str
-
-    def body(self) -> dict[str, JsonValue]:
-        return {**self.fence.body(), "detail": self.detail[:500]}
-
-
-@dataclass(frozen=True, slots=True)
-class ItemAnswer:
-    attempt_id: str
-    status: int
-    outcome: str | None
-    expires_at_ms: int | None
-    error: str | None  # the rejection: fence_rejected, invalid_state, conflict, invalid...
-    reason: str | None  # a fence rejection's reason: expired, released, token_mismatch...
-    now_ms: int = 0  # the ingress's clock when it decided this item
-
-    @property
-    def ok(self) -> bool:
-        return self.status == 200
-
-    @property
-    def expires_in_s(self) -> float | None:
-        """How long the lease still had when the ingress answered (its own clock)."""
-        if self.expires_at_ms is None:
-            return None
-        return (self.expires_at_ms - self.now_ms) / 1000
-
-
-@dataclass(frozen=True, slots=True)
-class BatchResult:
-    now_ms: int
-    items: dict[str, ItemAnswer]
-    sent_at: float = 0.0  # monotonic: when the request that got this answer was sent
-
-
-@dataclass(frozen=True, slots=True)
-class ClaimResult:
-    """A claim's answer. ``completed`` answers the completions it carried, ``released`` names
-    the Attempts the node handed back because the ``held`` statement did not name them, and
-    ``no_grant`` says why a claim that asked for work got none."""
-
-    now_ms: int
-    status: str
-    completed: dict[str, ItemAnswer]
-    released: tuple[str, ...]
-    grants: tuple[GrantData, ...]
-    no_grant: str | None
-    detail: str | None
-    sent_at: float = 0.0  # monotonic: when the request that got this answer was sent
-
-    def expires_in_s(self, grant: GrantData) -> float:
-        return (grant.expires_at_ms - self.now_ms) / 1000
 
 
 @dataclass
@@ -502,6 +352,7 @@ def _items(results: Sequence[Mapping[str, Any]], now_ms: int) -> dict[str, ItemA
             error=item.get("error"),
             reason=item.get("reason"),
             now_ms=now_ms,
+            message=item.get("message"),
         )
         answers[answer.attempt_id] = answer
     return answers

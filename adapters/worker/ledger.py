@@ -32,19 +32,26 @@ failure that timed out, sent as a completion (``timed_out``), not an abandon (AD
 
 A renewal refused with reason ``cancelled`` (its Run was cancelled, ADR 0017) stops the task as
 self-fencing does; its abandon (or hand-back) is then answered ``cancelled`` and the entry
-leaves. A completion refused ``cancelled`` (the task ended first) is discarded."""
+leaves. A completion refused ``cancelled`` (the task ended first) is discarded.
+
+The ledger knows the protocol, not how tasks run nor what carries the calls: a remote worker's
+slots are child processes and its calls go over HTTP, Standalone's slots are threads of its
+in-process pool and its calls go to the worker commands in the same process (ADR 0023). What
+it settles is also told to :attr:`Ledger.on_event` (a process that reports to its operator line
+by line, as Standalone does)."""
 
 from __future__ import annotations
 
 import enum
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from ql3.adapters.worker.client import (
+from ql3.adapters.worker.protocol import (
     MAX_BATCH_ITEMS,
     MAX_CLAIM,
     Abandonment,
@@ -89,6 +96,30 @@ _UNTAKE = {
     Phase.ABANDONING: Phase.STOPPED,
     Phase.RELEASING: Phase.UNSTARTED,
 }
+
+
+class Event(enum.Enum):
+    """What the ledger tells :attr:`Ledger.on_event` about an entry, as it settles."""
+
+    STARTED = "started"  # a grant went into a slot
+    COMPLETED = "completed"  # its completion was taken
+    COMPLETION_CANCELLED = "completion_cancelled"  # it ended after its Run was cancelled
+    COMPLETION_REFUSED = "completion_refused"  # its outcome was refused (discarded)
+    STOPPED_CANCELLED = "stopped_cancelled"  # its stop was taken: its Run was cancelled
+    ABANDONED = "abandoned"  # its stop was taken (lost, or recorded)
+    ABANDON_REFUSED = "abandon_refused"
+    RELEASED = "released"  # handed back unstarted
+    RELEASE_CANCELLED = "release_cancelled"  # never started: its Run was cancelled
+    RELEASE_REFUSED = "release_refused"
+    RUN_CANCELLED = "run_cancelled"  # a renewal said its Run was cancelled: its task is stopped
+    LEASE_REFUSED = "lease_refused"  # a renewal was refused: its task is stopped
+
+
+EventSink = Callable[[Event, "Held", str], None]
+
+
+def _no_event(_event: Event, _held: Held, _detail: str) -> None:
+    return None
 
 
 class Mode(enum.Enum):
@@ -176,8 +207,20 @@ Kill = tuple[SlotHandle, str]  # a slot and the attempt whose task it must stop
 
 
 class Ledger:
-    def __init__(self, capacity: int) -> None:
+    """``claims_alongside``: a claimer thread claims beside the reporter, so a finished task
+    waits a moment for a claim to carry its completion; false when one loop makes every call
+    (Standalone): a finished task waits for the next claim while the loop says one is due
+    (:attr:`claim_next`), and is sent at once otherwise."""
+
+    def __init__(self, capacity: int, *, claims_alongside: bool = True) -> None:
         self.capacity = capacity
+        self.claims_alongside = claims_alongside
+        self.claim_next = False  # without a claimer alongside: the loop's next call is a claim
+        # Called under the lock: it must not call the ledger back.
+        self.on_event: EventSink = _no_event
+        # Where it logs what it settles; a process that reports through ``on_event`` instead
+        # may pass a quiet one.
+        self.log: logging.Logger = log
         self.lock = threading.Lock()
         self.changed = threading.Condition(self.lock)
         self._held: dict[str, Held] = {}
@@ -281,7 +324,7 @@ class Ledger:
     def slot_lost(self, slot: SlotHandle, message: str) -> None:
         """A slot's child died and could not be started again: the worker goes on with the
         others, and fails when none is left."""
-        log.error("slot %d is out of service: %s", slot.index, message)
+        self.log.error("slot %d is out of service: %s", slot.index, message)
         with self.changed:
             if slot in self._free:
                 self._free.remove(slot)
@@ -378,7 +421,7 @@ class Ledger:
             for held in plan.completions:
                 self._settle_completion(held, result.completed.get(held.attempt_id), now)
             if result.released:
-                log.warning(
+                self.log.warning(
                     "the node handed back %d attempt(s) this worker did not hold (a claim "
                     "answer was lost): %s",
                     len(result.released),
@@ -387,7 +430,7 @@ class Ledger:
             fresh = []
             for grant in result.grants:
                 if grant.attempt_id in self._held:
-                    log.error("attempt %s was granted twice; ignored", grant.attempt_id)
+                    self.log.error("attempt %s was granted twice; ignored", grant.attempt_id)
                     continue
                 held = Held(
                     grant=grant,
@@ -408,6 +451,7 @@ class Ledger:
                     if grant.timeout_s is not None:
                         held.timeout_at = now + grant.timeout_s
                     held.slot.put(held.job())
+                    self.on_event(Event.STARTED, held, "")
             self.changed.notify_all()
         return fresh
 
@@ -478,9 +522,12 @@ class Ledger:
         """How long a finished task waits for a claim to carry its completion (hold the lock):
         ``grace_s`` while a claim is in flight (it may be parked at the node), longer while the
         claimer is about to send one (it may pause after a claim that found nothing); None
-        once the worker no longer claims."""
+        once the worker no longer claims. Without a claimer alongside: until the next claim
+        while one is due (:attr:`claim_next`), otherwise not at all."""
         if self.mode is not Mode.WORKING or self.claimer_done:
             return None
+        if not self.claims_alongside:
+            return math.inf if self.claim_next else None
         return grace_s if self.claim_sent_at is not None else max(grace_s, CLAIMER_PAUSE_S)
 
     def take_completions(self, now: float, grace_s: float) -> list[Held]:
@@ -558,12 +605,14 @@ class Ledger:
         elif item.ok:
             self._drop(held)
             self.completed += 1
+            self.on_event(Event.COMPLETED, held, item.outcome or "")
         elif item.error == INVALID:
             self._refuse_result(held, item.reason or item.error)
         elif item.reason == CANCELLED:
             self._drop(held)
             self.cancelled += 1
-            log.warning(
+            self.on_event(Event.COMPLETION_CANCELLED, held, "")
+            self.log.warning(
                 "attempt %s finished after its run was cancelled: result discarded",
                 held.attempt_id,
             )
@@ -571,13 +620,17 @@ class Ledger:
             # It ran: the report keeps the lease's Attempt from being handed back unstarted.
             held.detail = "finished after its lease expired; result discarded"
             self._move(held, Phase.STOPPED, now)
-            log.warning(
+            self.on_event(Event.COMPLETION_REFUSED, held, item.message or EXPIRED)
+            self.log.warning(
                 "attempt %s finished after its lease expired: result discarded",
                 held.attempt_id,
             )
         else:
             self._drop(held)
-            log.warning(
+            self.on_event(
+                Event.COMPLETION_REFUSED, held, item.message or item.reason or item.error or ""
+            )
+            self.log.warning(
                 "completion of attempt %s refused (%s %s): result discarded",
                 held.attempt_id,
                 item.error,
@@ -598,16 +651,22 @@ class Ledger:
                 if item.ok and item.outcome == CANCELLED:
                     self._drop(held)
                     self.cancelled += 1
-                    log.warning("attempt %s stopped: its run was cancelled", held.attempt_id)
+                    self.on_event(Event.STOPPED_CANCELLED, held, "")
+                    self.log.warning("attempt %s stopped: its run was cancelled", held.attempt_id)
                     continue
                 if item.ok:
                     self.abandoned += 1
+                    self.on_event(Event.ABANDONED, held, item.outcome or "")
+                else:
+                    self.on_event(
+                        Event.ABANDON_REFUSED, held, item.message or item.reason or item.error or ""
+                    )
                 if item.ok and item.outcome == "recorded":
                     held.retry_at = now + self.probe_s
                     self._move(held, Phase.RECORDED, now)
                 else:
                     self._drop(held)
-                log.warning(
+                self.log.warning(
                     "attempt %s abandoned (%s): %s",
                     held.attempt_id,
                     item.outcome or item.reason or item.error,
@@ -652,12 +711,17 @@ class Ledger:
                 self._drop(held)
                 if item.ok and item.outcome == CANCELLED:
                     self.cancelled += 1
-                    log.info("attempt %s not started: its run was cancelled", held.attempt_id)
+                    self.on_event(Event.RELEASE_CANCELLED, held, "")
+                    self.log.info("attempt %s not started: its run was cancelled", held.attempt_id)
                 elif item.ok:
                     self.released += 1
-                    log.info("attempt %s handed back (%s)", held.attempt_id, held.cause)
+                    self.on_event(Event.RELEASED, held, held.cause)
+                    self.log.info("attempt %s handed back (%s)", held.attempt_id, held.cause)
                 else:
-                    log.info(
+                    self.on_event(
+                        Event.RELEASE_REFUSED, held, item.message or item.reason or item.error or ""
+                    )
+                    self.log.info(
                         "hand-back of attempt %s refused (%s %s): it is not held any more",
                         held.attempt_id,
                         item.error,
@@ -694,7 +758,8 @@ class Ledger:
                 elif not item.ok and item.error != CONFLICT:
                     held.renewed = False  # the lease is not (or no longer) its to renew
                     if held.phase is Phase.RUNNING and item.reason == CANCELLED:
-                        log.warning(
+                        self.on_event(Event.RUN_CANCELLED, held, "")
+                        self.log.warning(
                             "attempt %s: its run was cancelled; stopping the task",
                             held.attempt_id,
                         )
@@ -702,6 +767,11 @@ class Ledger:
                         if kill is not None:
                             kills.append(kill)
                     elif held.phase is Phase.RUNNING:
+                        self.on_event(
+                            Event.LEASE_REFUSED,
+                            held,
+                            item.message or item.reason or item.error or "",
+                        )
                         kill = self._stop(
                             held,
                             f"lease refused at renewal: {item.reason or item.error}",

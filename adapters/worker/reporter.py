@@ -16,7 +16,10 @@ waits behind a claim parked at the node:
   recorded liveness, which an idle worker's claims, writing nothing, do not move (ADR 0012).
 
 A refusal of the session (gone, replaced) or an ingress that stays away for the whole retry
-budget fails the worker."""
+budget fails the worker.
+
+The Standalone runner, which has no reporter thread, calls :meth:`Reporter.report` from its own
+loop (without heartbeats) and sleeps until :meth:`Reporter.due_at` (ADR 0023)."""
 
 from __future__ import annotations
 
@@ -24,8 +27,8 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
-from ql3.adapters.worker.client import IngressClient, IngressRefused
 from ql3.adapters.worker.ledger import Held, Kill, Ledger, Phase
+from ql3.adapters.worker.protocol import IngressRefused, Transport
 from ql3.adapters.worker.settings import Timings
 
 log = logging.getLogger("ql3.worker")
@@ -37,7 +40,7 @@ RENEW_RETRY_S = 0.1  # the pause after a renewal that the node partly refused
 class Reporter:
     def __init__(
         self,
-        client: IngressClient,
+        client: Transport,
         ledger: Ledger,
         timings: Timings,
         *,
@@ -76,22 +79,26 @@ class Reporter:
                 if self._done or ledger.failure is not None:
                     return True
                 now = time.monotonic()
-                due = min(self._due_at(), now + MAX_IDLE_WAIT_S)
+                next_due = self.due_at()
+                due = now + MAX_IDLE_WAIT_S
+                if next_due is not None:
+                    due = min(due, next_due)
                 if due <= now:
                     return False
                 ledger.changed.wait(due - now)
 
-    def _due_at(self) -> float:
-        """When the next report is due (hold the lock)."""
+    def due_at(self, *, heartbeat: bool = True) -> float | None:
+        """When the next report is due (hold the lock); None: nothing is (no heartbeats, and
+        nothing to report or renew)."""
         ledger = self._ledger
-        dues = [self._next_heartbeat]
+        dues = [self._next_heartbeat] if heartbeat else []
         reports = ledger.next_report_at(self._grace_s())
         if reports is not None:
             dues.append(reports)
         renewal = ledger.renewal_due_at(self._timings.renew_ahead_s)
         if renewal is not None:
             dues.append(max(renewal, self._renew_after))
-        return min(dues)
+        return min(dues) if dues else None
 
     def report(self, now: float, *, heartbeat: bool = True) -> None:
         """Send everything due at ``now``."""

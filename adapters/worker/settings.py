@@ -91,3 +91,21 @@ class Timings:
             give_up_s=settings.give_up_s or max(ttl_s, MIN_GIVE_UP_S),
             watchdog_interval_s=max(0.01, min(0.05, ttl_s / 40)),
         )
+
+    @classmethod
+    def in_process(cls, lease_ttl_ms: int) -> Timings:
+        """The timings of a loop that calls the worker commands in its own process (Standalone,
+        Edge): renewals on the same schedule as a remote worker's; no long poll (the database's
+        wake channel says when work is queued), no heartbeat, no self-fencing and no retry
+        budget (the process owns its database: a call that failed is made again later)."""
+        ttl_s = lease_ttl_ms / 1000
+        return cls(
+            ttl_s=ttl_s,
+            margin_s=0.0,
+            renew_ahead_s=ttl_s * 2 / 3,
+            claim_wait_s=0.0,
+            heartbeat_s=ttl_s,
+            request_timeout_s=0.0,
+            give_up_s=0.0,
+            watchdog_interval_s=0.0,
+        )

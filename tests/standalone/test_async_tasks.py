@@ -32,7 +32,7 @@ def test_the_pool_cancels_a_running_async_task(tmp_path: Path) -> None:
     finished = threading.Event()
     pool = InProcessPool(ASYNC_TASKS, finished.set)
     marker = tmp_path / "nap"
-    pool.start(Execution(grant=_grant("nap", {"marker": str(marker)}), renew_at=0.0))
+    pool.start(Execution(grant=_grant("nap", {"marker": str(marker)})))
     deadline = time.monotonic() + 10
     while not marker.exists():
         assert time.monotonic() < deadline
