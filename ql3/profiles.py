@@ -42,11 +42,11 @@ class ClusterRuntime(Runtime):
         self._finished_listener: Any = None
 
     def _admission_in(self, transaction: object) -> Admission:
-        from ql3.adapters.postgres import borrowed
+        from ql3.adapters.postgres import caller_transaction
 
         try:
-            unit_of_work = borrowed.caller_unit_of_work(self.store, transaction)
-        except borrowed.UnsupportedTransaction as error:
+            unit_of_work = caller_transaction.caller_unit_of_work(self.store, transaction)
+        except caller_transaction.UnsupportedTransaction as error:
             raise UnsupportedTransaction(str(error)) from None
         return self._producer.admission_in(lambda: unit_of_work)
 

@@ -11,7 +11,7 @@ Status constants are rendered as SQL literals, not bound parameters, so that the
 match the partial indexes of :mod:`ql3.adapters.sql.schema` even with a generic (prepared) plan.
 
 A transaction that puts a Run into ``queued`` sends a notification on :data:`DISPATCH_CHANNEL`
-before it commits (folded into its write statement, see :mod:`ql3.adapters.postgres.hot`):
+before it commits (folded into its write statement, see :mod:`ql3.adapters.postgres.fenced`):
 PostgreSQL delivers it at commit, once per transaction however many were sent, and never for a
 transaction that rolls back. A node's one ``LISTEN`` connection wakes its parked claims on it
 (ADR 0007).

@@ -4,8 +4,8 @@ One engine with a small connection pool per store. A :class:`PostgresUnitOfWork`
 connection in one READ COMMITTED transaction, rolled back unless committed. Locks follow ADR-0002:
 the Attempt's transaction-level advisory lock first, then row locks on the Run, the Attempt and the
 lease, in that order (a claim's pristine candidates take row locks only: see
-:func:`ql3.adapters.postgres.hot.claim_sql`). Every write is a compare-and-set; a write that matches
-no row, and every unique, exclusion, check or foreign-key violation, is raised as
+:func:`ql3.adapters.postgres.fenced.claim_sql`). Every write is a compare-and-set; a write that
+matches no row, and every unique, exclusion, check or foreign-key violation, is raised as
 :class:`~ql3.domain.errors.ConcurrencyConflict` (translated here, at the adapter edge). An admission
 (``add``, ``add_many``) and an ``apply`` that inserts rows run under a savepoint, so a refused
 write leaves nothing behind and the transaction usable, as in the memory store; a refused
@@ -16,7 +16,7 @@ here so that tests EXPLAIN exactly what the store runs) that observes the databa
 
 A claim's locks (:meth:`PostgresRunRepository.lock_for_claim`) are two statements in one round
 trip, and a commit that puts a Run into ``queued`` notifies
-:data:`~ql3.adapters.postgres.queries.DISPATCH_CHANNEL` (see :mod:`ql3.adapters.postgres.hot`).
+:data:`~ql3.adapters.postgres.queries.DISPATCH_CHANNEL` (see :mod:`ql3.adapters.postgres.fenced`).
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.pool import PoolProxiedConnection
 from sqlalchemy.sql import Executable
 
-from ql3.adapters.postgres import hot, queries
-from ql3.adapters.postgres.batch import add_many_statement
+from ql3.adapters.postgres import fenced, queries
+from ql3.adapters.postgres.admission_batch import add_many_statement
 from ql3.adapters.postgres.engine import connection_ended, pooled_engine
 from ql3.adapters.postgres.outage import resume_leases_on_connect
 from ql3.adapters.postgres.queries import (
@@ -312,7 +312,7 @@ class PostgresUnitOfWork(ConnectionTransaction):
         if self._seen_now_ms is not None and self._seen_at_offset_ms == self.clock_offset_ms:
             return self._seen_now_ms
         params = {"clock_offset_ms": self.clock_offset_ms}
-        (row,) = self.execute_sql(hot.now_sql(), params, "read the clock")
+        (row,) = self.execute_sql(fenced.now_sql(), params, "read the clock")
         return int(row["now_ms"])
 
     def commit(self) -> None:
@@ -455,8 +455,8 @@ class PostgresRunRepository(SqlRunRepository[PostgresUnitOfWork]):
         decision about the Attempt reads next (its session, its stop reports, the clock)."""
         uow = self._uow
         uow.forget()
-        params = hot.lock_attempt_params(attempt_id, uow.clock_offset_ms)
-        found_rows = uow.execute_sql(hot.lock_attempt_sql(skip_locked), params, "lock attempt")
+        params = fenced.lock_attempt_params(attempt_id, uow.clock_offset_ms)
+        found_rows = uow.execute_sql(fenced.lock_attempt_sql(skip_locked), params, "lock attempt")
         snapshots = self._remember_locked(found_rows)
         return snapshots.get(attempt_id)
 
@@ -467,7 +467,7 @@ class PostgresRunRepository(SqlRunRepository[PostgresUnitOfWork]):
         uow = self._uow
         uow.forget()
         params = {"attempt_ids": list(attempt_ids), "clock_offset_ms": uow.clock_offset_ms}
-        found_rows = uow.execute_sql(hot.lock_attempts_sql(), params, "lock attempts")
+        found_rows = uow.execute_sql(fenced.lock_attempts_sql(), params, "lock attempts")
         snapshots = self._remember_locked(found_rows)
         return [snapshots.get(attempt_id) for attempt_id in attempt_ids]
 
@@ -477,15 +477,15 @@ class PostgresRunRepository(SqlRunRepository[PostgresUnitOfWork]):
         reports: dict[str, tuple[StopReport, ...]] = {}
         now_ms: int | None = None
         for row in found_rows:
-            run = rows.run_from_row(row, hot.RUN_PREFIX)
-            attempt = rows.attempt_from_row(row, hot.ATTEMPT_PREFIX)
+            run = rows.run_from_row(row, fenced.RUN_PREFIX)
+            attempt = rows.attempt_from_row(row, fenced.ATTEMPT_PREFIX)
             lease = None
-            if row[f"{hot.LEASE_PREFIX}run_id"] is not None:
-                lease = rows.lease_from_row(row, hot.LEASE_PREFIX)
+            if row[f"{fenced.LEASE_PREFIX}run_id"] is not None:
+                lease = rows.lease_from_row(row, fenced.LEASE_PREFIX)
             if attempt.session_id is not None:
-                found = row[f"{hot.SESSION_PREFIX}id"] is not None
+                found = row[f"{fenced.SESSION_PREFIX}id"] is not None
                 sessions[attempt.session_id] = (
-                    rows.session_from_row(row, hot.SESSION_PREFIX) if found else None
+                    rows.session_from_row(row, fenced.SESSION_PREFIX) if found else None
                 )
             reports[attempt.id] = tuple(rows.report_from_row(item) for item in row["reports"] or ())
             now_ms = int(row["observed_at"])
@@ -534,7 +534,7 @@ class PostgresRunRepository(SqlRunRepository[PostgresUnitOfWork]):
             raise ValueError(f"change of run {change.run.id} applied to run {before.run.id}")
         uow = self._uow
         uow.forget()
-        statement = hot.apply_statement(
+        statement = fenced.apply_statement(
             before.run,
             change.run,
             before.attempt,
@@ -566,7 +566,7 @@ class PostgresRunRepository(SqlRunRepository[PostgresUnitOfWork]):
             return
         uow = self._uow
         uow.forget()
-        batch = hot.apply_many_statement(writes)
+        batch = fenced.apply_many_statement(writes)
         what = f"{len(writes)} changes"
         # No savepoint, although the statement inserts leases and Attempts that can meet a unique
         # index: whatever refuses it, the transaction is then broken and only rolls back (the
@@ -574,7 +574,7 @@ class PostgresRunRepository(SqlRunRepository[PostgresUnitOfWork]):
         try:
             with _conflicts_translated(what):
                 result = uow.execute_pipelined(
-                    [(hot.INDEX_PLANS_SQL, {}), (hot.apply_many_sql(), batch.params)],
+                    [(fenced.INDEX_PLANS_SQL, {}), (fenced.apply_many_sql(), batch.params)],
                     "apply changes",
                 )[-1][0]
         except ConcurrencyConflict:
@@ -599,7 +599,7 @@ class PostgresRunRepository(SqlRunRepository[PostgresUnitOfWork]):
         what = f"{len(changes)} admitted runs"
 
         with _conflicts_translated(what):
-            result = uow.execute_savepointed(hot.add_many_sql(), batch.params, "add runs")[0]
+            result = uow.execute_savepointed(fenced.add_many_sql(), batch.params, "add runs")[0]
         if not batch.all_written(result):
             uow.break_transaction(f"{what} were not all written")
             raise ConcurrencyConflict(f"{what} were not all written")
@@ -609,37 +609,39 @@ class PostgresRunRepository(SqlRunRepository[PostgresUnitOfWork]):
     ) -> ClaimLock:
         """The session's row lock and the limits of its limited tasks, then (in the same round
         trip, with a snapshot taken once those locks are held) the count of its leases, the
-        gate, the candidates, locked, and the limits; see :func:`hot.lock_session_sql` and
-        :func:`hot.claim_sql`."""
+        gate, the candidates, locked, and the limits; see :func:`fenced.lock_session_sql` and
+        :func:`fenced.claim_sql`."""
         uow = self._uow
         uow.forget()
         wanted = sorted(set(tasks))
-        params = hot.claim_params(session_id, wanted, limit_per_task, uow.clock_offset_ms)
+        params = fenced.claim_params(session_id, wanted, limit_per_task, uow.clock_offset_ms)
         _, found = uow.execute_pipelined(
-            [(hot.lock_session_sql(), params), (hot.claim_sql(), params)], "lock for claim"
+            [(fenced.lock_session_sql(), params), (fenced.claim_sql(), params)], "lock for claim"
         )
         head = found[0]
         now_ms = int(head["observed_at"])
         capacity = None
-        if head[f"{hot.SESSION_PREFIX}id"] is not None:
+        if head[f"{fenced.SESSION_PREFIX}id"] is not None:
             capacity = SessionCapacity(
-                session=rows.session_from_row(head, hot.SESSION_PREFIX),
+                session=rows.session_from_row(head, fenced.SESSION_PREFIX),
                 in_flight=int(head["held"]),
             )
-        gate_found = head[f"{hot.GATE_PREFIX}open"] is not None
-        gate = statements.gate_from_row(head if gate_found else None, hot.GATE_PREFIX)
+        gate_found = head[f"{fenced.GATE_PREFIX}open"] is not None
+        gate = statements.gate_from_row(head if gate_found else None, fenced.GATE_PREFIX)
         candidates: list[Snapshot] = []
         for row in found:
-            if row[f"{hot.RUN_PREFIX}id"] is None:
+            if row[f"{fenced.RUN_PREFIX}id"] is None:
                 continue
-            attempt = rows.attempt_from_row(row, hot.ATTEMPT_PREFIX)
+            attempt = rows.attempt_from_row(row, fenced.ATTEMPT_PREFIX)
             if not attempt.is_pristine:
-                continue  # no transition queues a Run so; see hot.claim_sql
+                continue  # no transition queues a Run so; see fenced.claim_sql
             lease = None
-            if row[f"{hot.LEASE_PREFIX}run_id"] is not None:
-                lease = rows.lease_from_row(row, hot.LEASE_PREFIX)
+            if row[f"{fenced.LEASE_PREFIX}run_id"] is not None:
+                lease = rows.lease_from_row(row, fenced.LEASE_PREFIX)
             candidates.append(
-                Snapshot(run=rows.run_from_row(row, hot.RUN_PREFIX), attempt=attempt, lease=lease)
+                Snapshot(
+                    run=rows.run_from_row(row, fenced.RUN_PREFIX), attempt=attempt, lease=lease
+                )
             )
         by_task = head["in_flight_by_task"] or {}
         in_flight = {str(task): int(count) for task, count in by_task.items()}
@@ -688,12 +690,12 @@ class PostgresSessionRegistry(SqlSessionRegistry[PostgresUnitOfWork]):
         if seen:
             return session
         params = {"session_id": session_id, "clock_offset_ms": uow.clock_offset_ms}
-        (row,) = uow.execute_sql(hot.get_session_sql(), params, "get session")
+        (row,) = uow.execute_sql(fenced.get_session_sql(), params, "get session")
         uow.remember_clock(int(row["observed_at"]))
-        if row[f"{hot.SESSION_PREFIX}id"] is None:
+        if row[f"{fenced.SESSION_PREFIX}id"] is None:
             return None
         uow.remember_held(session_id, tuple(row["held"]))
-        return rows.session_from_row(row, hot.SESSION_PREFIX)
+        return rows.session_from_row(row, fenced.SESSION_PREFIX)
 
     def held_by(self, session_id: str) -> Sequence[str]:
         """As read with the session by :meth:`get` when no statement ran since (a claim asks

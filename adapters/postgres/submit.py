@@ -5,10 +5,10 @@ takes half of what the whole may take (ADR 0009). This store offers what admissi
 unit of work and nothing else (:class:`ql3.application.ports.AdmissionUnitOfWork`): the store's
 clock, the unfinished Runs holding unique keys, and the batch insert of admitted Runs. It runs
 the statements :class:`ql3.adapters.postgres.store.PostgresStore` runs, as generated text
-(:mod:`ql3.adapters.sql.submit_sql`), with the same rows (:mod:`ql3.adapters.postgres.batch`),
-under a savepoint, and the admission is :func:`ql3.application.admission.admit_requests`, as
-everywhere. The dispatch wake-up is the statement's ``NOTIFY``, delivered when the transaction
-commits.
+(:mod:`ql3.adapters.sql.submit_sql`), with the same rows
+(:mod:`ql3.adapters.postgres.admission_batch`), under a savepoint, and the admission is
+:func:`ql3.application.admission.admit_requests`, as everywhere. The dispatch wake-up is the
+statement's ``NOTIFY``, delivered when the transaction commits.
 
 A unique, check or foreign-key violation is a :class:`~ql3.domain.errors.ConcurrencyConflict`; any
 other driver error is raised as the driver's."""
@@ -22,7 +22,7 @@ from typing import Any
 import psycopg
 from psycopg.rows import dict_row
 
-from ql3.adapters.postgres.batch import add_many_statement
+from ql3.adapters.postgres.admission_batch import add_many_statement
 from ql3.adapters.postgres.results import fetched_rows
 from ql3.adapters.sql import submit_sql
 from ql3.domain.errors import ConcurrencyConflict

@@ -15,7 +15,7 @@ from pathlib import Path
 from sqlalchemy import Dialect, Table, bindparam, insert
 from sqlalchemy.dialects import postgresql, sqlite
 
-from ql3.adapters.postgres import hot
+from ql3.adapters.postgres import fenced
 from ql3.adapters.postgres.queries import POSTGRES
 from ql3.adapters.sql import rows, statements
 from ql3.adapters.sql.schema import metadata
@@ -70,8 +70,9 @@ def render() -> str:
     """The text of :mod:`ql3.adapters.sql.submit_sql`."""
     values: list[tuple[str, str, object]] = [
         ("POSTGRES_NOW", "The store's clock (ms), as the hot paths read it.",
-         f"SELECT {hot.store_now_sql()} AS now_ms"),
-        ("POSTGRES_ADD_MANY", "The admission of a batch (hot.add_many_sql).", hot.add_many_sql()),
+         f"SELECT {fenced.store_now_sql()} AS now_ms"),
+        ("POSTGRES_ADD_MANY", "The admission of a batch (fenced.add_many_sql).",
+         fenced.add_many_sql()),
         ("POSTGRES_UNFINISHED_WITH_KEYS", "Keys held by unfinished Runs; {keys}: placeholders.",
          _unfinished_with_keys(POSTGRES, postgresql.dialect())),
         ("SQLITE_UNFINISHED_WITH_KEYS", "Keys held by unfinished Runs; {keys}: placeholders.",

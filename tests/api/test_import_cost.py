@@ -16,7 +16,7 @@ SUBMIT_HEAVY = (
     "sqlalchemy",
     "alembic",
     "ql3.adapters.sql.schema",
-    "ql3.adapters.postgres.hot",
+    "ql3.adapters.postgres.fenced",
     "ql3.adapters.postgres.store",
     "ql3.adapters.sql.sqlite.store",
     "ql3.adapters.cli.node_cmds",

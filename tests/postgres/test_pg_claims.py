@@ -342,12 +342,12 @@ def _rows_read_from(plan: dict[str, Any], index: str) -> int:
 def test_a_claim_reads_no_more_of_the_queue_than_it_takes(
     store: PostgresStore, commands: WorkerCommands
 ) -> None:
-    from ql3.adapters.postgres import hot
+    from ql3.adapters.postgres import fenced
 
     _admit(store, 60)
     session = commands.register("w1", 8, [TASK])
     plan = _generic_plan_rows(
-        store, hot.claim_sql(), hot.claim_params(session.session_id, [TASK], 8, 0)
+        store, fenced.claim_sql(), fenced.claim_params(session.session_id, [TASK], 8, 0)
     )
     # Eight from the index of claimable Runs for the never-changed part, and none for the
     # handed-back part while no Attempt is handed back: it used to read the whole queue there.

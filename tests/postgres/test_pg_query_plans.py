@@ -6,8 +6,8 @@ exact statements the store runs are EXPLAINed: none may scan ``runs``, ``run_att
 ``run_dispatch_leases`` sequentially, each must stay below a fixed cost bound far under the cost
 of reading the history, and each must cost about what it costs with no history at all.
 
-The claim's two statements (``hot.lock_session_sql`` and ``hot.claim_sql``) and the batch of
-writes (``hot.apply_many_sql``) are EXPLAINed as the driver runs them, with their parameters; the
+The claim's two statements (``fenced.lock_session_sql`` and ``fenced.claim_sql``) and the batch of
+writes (``fenced.apply_many_sql``) are EXPLAINed as the driver runs them, with their parameters; the
 claim's candidates must come from the index of claimable Runs in queue order, not from a sort of
 every queued Run. The batch's absolute cost is not bounded (each of its record sets is priced at
 100 rows), only its growth with the history.
@@ -26,7 +26,7 @@ from sqlalchemy.pool import NullPool
 from sqlalchemy.sql import ClauseElement, Executable
 from sqlalchemy.sql.compiler import SQLCompiler
 
-from ql3.adapters.postgres import hot
+from ql3.adapters.postgres import fenced
 from ql3.adapters.postgres.store import (
     PostgresStore,
     due_retries_query,
@@ -93,18 +93,18 @@ QUERIES: dict[str, Callable[[], Any]] = {
     "orphaned_runs": lambda: orphaned_runs_query(16),
 }
 # The claim's statements as the store sends them: SQL text and driver parameters.
-_CLAIM_PARAMS = hot.claim_params("s1", ["mail", "report"], 16, 0)
+_CLAIM_PARAMS = fenced.claim_params("s1", ["mail", "report"], 16, 0)
 # A batch of writes (two Runs, their Attempts and leases) as the claim and completions send it:
 # the rows are found through the keys' indexes, never by a scan hashed against the batch.
-_BATCH = hot.ApplyMany()
+_BATCH = fenced.ApplyMany()
 for _n in (5, 6):
     _BATCH.add("runs", {"id": f"hist-{_n}"})
     _BATCH.add("attempts", {"id": f"hist-{_n}-1"})
     _BATCH.add("leases", {"run_id": f"hist-{_n}", "generation": 1})
 DRIVER_QUERIES: dict[str, tuple[str, dict[str, Any]]] = {
-    "lock_session": (hot.lock_session_sql(), _CLAIM_PARAMS),
-    "claim": (hot.claim_sql(), _CLAIM_PARAMS),
-    "apply_many": (hot.apply_many_sql(), _BATCH.params),
+    "lock_session": (fenced.lock_session_sql(), _CLAIM_PARAMS),
+    "claim": (fenced.claim_sql(), _CLAIM_PARAMS),
+    "apply_many": (fenced.apply_many_sql(), _BATCH.params),
 }
 ALL_QUERIES = sorted([*QUERIES, *DRIVER_QUERIES])
 # The planner prices each JSON record set of a batch at 100 rows, whatever the batch holds: the
@@ -278,8 +278,8 @@ def plans(pg_database_url: str) -> Iterator[Plans]:
         with engine.begin() as connection:
             _analyze(connection)
         with engine.connect() as connection:
-            params = hot.claim_params("s1", ["deep", "mail"], 16, 0)
-            explain = "EXPLAIN (FORMAT JSON) " + hot.claim_sql()
+            params = fenced.claim_params("s1", ["deep", "mail"], 16, 0)
+            explain = "EXPLAIN (FORMAT JSON) " + fenced.claim_sql()
             deep_claim = connection.exec_driver_sql(explain, params).scalar_one()[0]["Plan"]
         with store.unit_of_work() as uow:
             pages["deep_claim"] = uow.runs.lock_for_claim("s1", ["deep"], 3)

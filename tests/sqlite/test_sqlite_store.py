@@ -262,7 +262,7 @@ def test_a_claim_reads_each_part_of_its_candidates_from_its_own_index(
     """However deep the queue, a claim reads the never-changed Attempts from
     ``ix_runs_claimable`` and the handed-back ones from ``ix_run_attempts_handed_back``: no
     part walks the whole queue of its task."""
-    from ql3.adapters.sql.sqlite import hot
+    from ql3.adapters.sql.sqlite import fenced
 
     commands = _commands(store)
     admission = Admission(store.unit_of_work, RandomIdentities())
@@ -277,7 +277,7 @@ def test_a_claim_reads_each_part_of_its_candidates_from_its_own_index(
         plan = [
             str(row[3])
             for row in uow.connection.exec_driver_sql(
-                "EXPLAIN QUERY PLAN " + hot.claimable_sql(), {"task": "t", "limit": 1}
+                "EXPLAIN QUERY PLAN " + fenced.claimable_sql(), {"task": "t", "limit": 1}
             )
         ]
         lock = uow.runs.lock_for_claim(session.session_id, ["t"], 1)

@@ -68,7 +68,7 @@ from ql3.adapters.sql.repositories import (
     SqlSessionRegistry,
 )
 from ql3.adapters.sql.schema import metadata, runs, worker_sessions
-from ql3.adapters.sql.sqlite import hot, queries
+from ql3.adapters.sql.sqlite import fenced, queries
 from ql3.adapters.sql.sqlite.connection import (
     SCHEMA_VERSION,
     connection_pragmas,
@@ -227,9 +227,9 @@ class SqliteUnitOfWork(ConnectionTransaction):
 
     def execute_sql(
         self, sql: str, params: Sequence[Any] | dict[str, Any], label: str
-    ) -> list[hot.Row]:
+    ) -> list[fenced.Row]:
         """Plain SQL straight on the driver's connection, in this transaction (the hot paths of
-        :mod:`ql3.adapters.sql.sqlite.hot`); the rows as dictionaries by column label. Driver
+        :mod:`ql3.adapters.sql.sqlite.fenced`); the rows as dictionaries by column label. Driver
         errors are raised in SQLAlchemy's exception classes, as on the Core path."""
         driver = self._require_driver()
         try:
@@ -315,11 +315,11 @@ class SqliteRunRepository(SqlRunRepository[SqliteUnitOfWork]):
         """Read under the transaction's database lock, which no other writer shares: the
         session, the leases it holds, the gate and, while it is open, each task's oldest
         claimable Attempts with their Runs' latest leases (the first of those never changed and
-        of those handed back, merged; see :func:`ql3.adapters.sql.sqlite.hot.claimable_sql`), and
+        of those handed back, merged; see :func:`ql3.adapters.sql.sqlite.fenced.claimable_sql`), and
         the limits of their tasks."""
         uow = self._uow
         now_ms = uow.now_ms()
-        found = uow.execute_sql(hot.claim_session_sql(), {"session_id": session_id}, "claim")
+        found = uow.execute_sql(fenced.claim_session_sql(), {"session_id": session_id}, "claim")
         capacity = None
         if found:
             row = _session_row(found[0])
@@ -333,17 +333,16 @@ class SqliteRunRepository(SqlRunRepository[SqliteUnitOfWork]):
         if gate.open and capacity is not None:
             for task in sorted(set(tasks)):
                 params = {"task": task, "limit": limit_per_task}
-                picked = [
-                    _snapshot(row) for row in uow.execute_sql(hot.claimable_sql(), params, "claim")
-                ]
+                found_rows = uow.execute_sql(fenced.claimable_sql(), params, "claim")
+                picked = [_snapshot(row) for row in found_rows]
                 picked.sort(key=_claim_order)
                 candidates.extend(picked[:limit_per_task])
             claimed_tasks = json.dumps(sorted({snapshot.run.task for snapshot in candidates}))
             if candidates:
                 params = {"tasks": claimed_tasks}
-                counts = uow.execute_sql(hot.in_flight_by_task_sql(), params, "claim")
+                counts = uow.execute_sql(fenced.in_flight_by_task_sql(), params, "claim")
                 in_flight = {str(row["task"]): int(row["in_flight"]) for row in counts}
-                found_limits = uow.execute_sql(hot.limits_of_sql(), params, "claim")
+                found_limits = uow.execute_sql(fenced.limits_of_sql(), params, "claim")
                 limits = {str(row["task"]): int(row["max_running"]) for row in found_limits}
         return ClaimLock(
             capacity=capacity,
@@ -359,7 +358,7 @@ class SqliteRunRepository(SqlRunRepository[SqliteUnitOfWork]):
         if not attempt_ids:
             return []
         found = self._uow.execute_sql(
-            hot.lock_attempts_sql(), {"ids": json.dumps(list(attempt_ids))}, "lock attempts"
+            fenced.lock_attempts_sql(), {"ids": json.dumps(list(attempt_ids))}, "lock attempts"
         )
         by_id = {row[f"{ATTEMPT_COLUMNS}id"]: row for row in found}
         return [
@@ -380,7 +379,7 @@ class SqliteRunRepository(SqlRunRepository[SqliteUnitOfWork]):
             run = self.get_run(run_id)
             if run is None:
                 return None
-            leases = self._uow.execute_sql(hot.latest_lease_sql(), {"run_id": run_id}, "lease")
+            leases = self._uow.execute_sql(fenced.latest_lease_sql(), {"run_id": run_id}, "lease")
             lease = rows.lease_from_row(leases[0], LEASE_COLUMNS) if leases else None
             return Snapshot(run=run, attempt=None, lease=lease)
         return self.lock_attempt(str(attempt_id))
@@ -390,11 +389,11 @@ class SqliteRunRepository(SqlRunRepository[SqliteUnitOfWork]):
 
     def apply_many(self, writes: Sequence[tuple[Snapshot, Change]]) -> None:
         """Every Change of the batch, all or nothing, under a savepoint: a few statements of one
-        shape each (:class:`ql3.adapters.sql.sqlite.hot.ApplyMany`), every update a compare-and-set
-        that must touch each of its rows."""
+        shape each (:class:`ql3.adapters.sql.sqlite.fenced.ApplyMany`), every update a
+        compare-and-set that must touch each of its rows."""
         if not writes:
             return
-        batch = hot.ApplyMany(writes)
+        batch = fenced.ApplyMany(writes)
         uow = self._uow
         uow.driver_atomically(lambda: _write(uow, batch))
         if batch.queues:
@@ -413,26 +412,26 @@ class SqliteSessionRegistry(SqlSessionRegistry[SqliteUnitOfWork]):
     queries = queries
 
     def get(self, session_id: str) -> WorkerSession | None:
-        found = self._uow.execute_sql(hot.get_session_sql(), (session_id,), "session")
+        found = self._uow.execute_sql(fenced.get_session_sql(), (session_id,), "session")
         return rows.session_from_row(_session_row(found[0])) if found else None
 
     def held_by(self, session_id: str) -> Sequence[str]:
-        found = self._uow.execute_sql(hot.held_by_sql(), (session_id,), "held by")
+        found = self._uow.execute_sql(fenced.held_by_sql(), (session_id,), "held by")
         return tuple(str(row["attempt_id"]) for row in found)
 
 
-def _session_row(row: hot.Row) -> hot.Row:
-    return hot.decode([row], (worker_sessions, ""))[0]
+def _session_row(row: fenced.Row) -> fenced.Row:
+    return fenced.decode([row], (worker_sessions, ""))[0]
 
 
 def _gate(uow: SqliteUnitOfWork) -> DispatchGate:
-    found = uow.execute_sql(hot.get_gate_sql(), (), "the dispatch gate")
+    found = uow.execute_sql(fenced.get_gate_sql(), (), "the dispatch gate")
     return statements.gate_from_row(found[0] if found else None)
 
 
-def _snapshot(row: hot.Row) -> Snapshot:
+def _snapshot(row: fenced.Row) -> Snapshot:
     """A Run, its Attempt and its lease read side by side (prefixed ``r_``, ``a_``, ``l_``)."""
-    hot.decode([row], (runs, RUN_COLUMNS))
+    fenced.decode([row], (runs, RUN_COLUMNS))
     run = rows.run_from_row(row, RUN_COLUMNS)
     attempt = rows.attempt_from_row(row, ATTEMPT_COLUMNS)
     has_lease = row[f"{LEASE_COLUMNS}run_id"] is not None
@@ -446,7 +445,7 @@ def _claim_order(snapshot: Snapshot) -> tuple[int, int, str]:
     return (-snapshot.run.priority, snapshot.attempt.created_at_ms, snapshot.run.id)
 
 
-def _write(uow: SqliteUnitOfWork, batch: hot.ApplyMany) -> None:
+def _write(uow: SqliteUnitOfWork, batch: fenced.ApplyMany) -> None:
     for kind, sql, params, what in batch.statements():
         if kind == "check":
             for one, name in zip(params, what, strict=True):

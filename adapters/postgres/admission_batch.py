@@ -1,4 +1,4 @@
-"""The rows of the store's batch statements (:mod:`ql3.adapters.postgres.hot`): one JSON document
+"""The rows of the store's batch statements (:mod:`ql3.adapters.postgres.fenced`): one JSON document
 per table, and the row counts each statement must report. A row leaves out its null columns:
 ``json_to_recordset`` gives NULL for a missing key as for a JSON null, and the documents of an
 admission are less than half as long without them.

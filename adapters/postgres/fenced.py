@@ -44,7 +44,7 @@ from psycopg.types.json import Jsonb
 from sqlalchemy import JSON, Column, Table
 from sqlalchemy.dialects import postgresql
 
-from ql3.adapters.postgres.batch import ADDED, JsonRows, queues_a_run
+from ql3.adapters.postgres.admission_batch import ADDED, JsonRows, queues_a_run
 from ql3.adapters.postgres.queries import ADVISORY_LOCK_NAMESPACE, DISPATCH_CHANNEL
 from ql3.adapters.sql import guards, rows
 from ql3.adapters.sql.merge import merge_by_run
@@ -283,13 +283,12 @@ def _handed_back(alias: str) -> str:
 
 def _claimable_part(handed_back: bool) -> str:
     """One of the two parts of a claim's candidates (as
-    :func:`ql3.adapters.sql.sqlite.hot.claimable_sql` on SQLite), per task named, locked: Attempts
-    never changed since created, from ``ix_runs_claimable`` by their Runs' ``updated_at``; or
-    Attempts handed back, from ``ix_run_attempts_handed_back`` by their own ``created_at``.
-    Both the Run's highest priority first, then in the order of the Attempts' age: the first
-    part in the order of its index, which it reads only as far as its limit however deep the
-    queue and however its priorities mix; the second sorts the handed-back Attempts, which are
-    few at any time."""
+    :func:`ql3.adapters.sql.sqlite.fenced.claimable_sql` on SQLite), per task named, locked:
+    Attempts never changed since created, from ``ix_runs_claimable`` by their Runs' ``updated_at``;
+    or Attempts handed back, from ``ix_run_attempts_handed_back`` by their own ``created_at``. Both
+    the Run's highest priority first, then in the order of the Attempts' age: the first part in the
+    order of its index, which it reads only as far as its limit however deep the queue and however
+    its priorities mix; the second sorts the handed-back Attempts, which are few at any time."""
     if handed_back:
         source = "run_attempts a JOIN runs r ON r.id = a.run_id AND r.attempt_count = a.number"
         # Read only when ``h`` (of :func:`claim_sql`) found any Attempt handed back.
