@@ -14,7 +14,13 @@ if TYPE_CHECKING:
     from ql3.adapters.execution import TaskContext
     from ql3.application.admission import UnknownRun
     from ql3.application.history import InvalidBatchSize, InvalidDuration, PruneReport
-    from ql3.application.tasks import InvalidInput, TaskDefinition, TaskRegistry, UnknownTask
+    from ql3.application.tasks import (
+        InvalidInput,
+        Schedule,
+        TaskDefinition,
+        TaskRegistry,
+        UnknownTask,
+    )
     from ql3.application.workflows import UnknownWorkflow
     from ql3.domain.dispatch import InvalidTaskLimit, TaskLimit
     from ql3.domain.errors import (
@@ -52,6 +58,7 @@ _EXPORTS: dict[str, str] = {
     "InvalidDuration": "ql3.application.history",
     "PruneReport": "ql3.application.history",
     "InvalidInput": "ql3.application.tasks",
+    "Schedule": "ql3.application.tasks",
     "TaskDefinition": "ql3.application.tasks",
     "TaskRegistry": "ql3.application.tasks",
     "UnknownTask": "ql3.application.tasks",
@@ -108,6 +115,7 @@ __all__ = [
     "RunStatus",
     "Runtime",
     "Safety",
+    "Schedule",
     "StandaloneRuntime",
     "StepInfo",
     "StepInputTooLarge",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -47,6 +48,8 @@ if TYPE_CHECKING:
     from ql3.workflows import WorkflowInfo
 
 Task = str | Callable[..., Any]
+
+log = logging.getLogger("ql3")
 
 # How long a wait sleeps between two reads where no notification wakes it: growing from the
 # first to the last value.
@@ -490,9 +493,49 @@ class Runtime:
 
     # --- lifecycle --------------------------------------------------------------------------------
 
+    def declare_schedules(self) -> Any:
+        """Record the schedules declared with the tasks as the triggers ``code:NAME`` (created,
+        or made to match the declaration and active) and pause every other ``code:`` trigger,
+        which the code no longer declares; an operator's triggers are left alone. What
+        :meth:`start` does first; returns what changed (``created``, ``updated``, ``paused``)."""
+        from ql3.adapters.cron import CroniterCalendar
+        from ql3.application.triggers import TriggerDefinition, Triggers
+        from ql3.domain.triggers import DECLARED_PREFIX
+
+        if self._tasks is None:
+            raise RuntimeError("declaring schedules needs the runtime's task registry")
+        definitions = [
+            TriggerDefinition(
+                name=DECLARED_PREFIX + schedule.name,
+                task=schedule.task,
+                input=schedule.input,
+                policy=schedule.policy,
+                every_ms=schedule.every_ms,
+                cron=schedule.cron,
+                catch_up=schedule.catch_up,
+                catch_up_limit=schedule.catch_up_limit,
+            )
+            for schedule in self._tasks.schedules()
+        ]
+        triggers = Triggers(self.store.unit_of_work, self._producer.identities, CroniterCalendar())
+        declared = triggers.declare(definitions)
+        for name in declared.created:
+            log.info("schedule %s: trigger created", name)
+        for name in declared.updated:
+            log.info("schedule %s: trigger updated to its declaration", name)
+        for name in declared.paused:
+            log.warning(
+                "trigger %s is no longer declared in code: paused (ql3 triggers delete %s "
+                "removes it)",
+                name,
+                name,
+            )
+        return declared
+
     def start(self) -> None:
         """Start the profile's work in this process (idempotent; once per runtime). The limits
-        declared with the tasks (``@tasks.task(limit=N)``) are recorded first."""
+        and schedules declared with the tasks (``@tasks.task(limit=N, schedule=...)``,
+        ``tasks.schedule(...)``) are recorded first."""
         with self._lock:
             if self._closed or self._stopped:
                 raise RuntimeError("a stopped or closed runtime cannot start again: build one")
@@ -500,6 +543,7 @@ class Runtime:
                 return
             if self._tasks is not None:
                 self._limits.declare(self._tasks.limits())
+                self.declare_schedules()
             self._start()
             self._started = True
 

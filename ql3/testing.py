@@ -175,6 +175,8 @@ class InMemoryRuntime(Runtime):
         self._worker = InlineWorker(
             container.core.worker_commands(), container.coordinator().run_cycle, tasks
         )
+        if tasks.schedules():
+            self.declare_schedules()  # their triggers fire as advance() makes them due
 
     def advance(self, seconds: float) -> int:
         """Move the store's clock forward; returns its new time in epoch milliseconds."""
