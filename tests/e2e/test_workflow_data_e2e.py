@@ -61,10 +61,19 @@ def test_a_diamond_submitted_from_python_runs_on_real_workers(
     assert [e["step"] for e in ledger.entries("gather")][-1] == "d"
 
 
-def _kill_during_b(cluster: Cluster, ledger: Ledger, prefix: str, worker_id: str) -> str:
-    """Start a worker, SIGKILL it while step b sleeps, start it again; b's run id."""
+def _kill_during_b(
+    cluster: Cluster, ledger: Ledger, runtime: ql3.Runtime, workflow_id: str, prefix: str
+) -> str:
+    """Start a worker, SIGKILL it while step b sleeps (once c, beside it, is done), start it
+    again with the same worker id; b's run id."""
+    worker_id = f"worker-{prefix}"
     worker = cluster.start_worker(prefix, worker_id, ledger, concurrency=2)
     wait_for(lambda: len(ledger.entries("start")) == 1, 30, "step b to start")
+    wait_for(
+        lambda: runtime.get_workflow(workflow_id).step("c").run_status is RunStatus.SUCCEEDED,
+        30,
+        "step c to succeed",
+    )
     (started,) = ledger.entries("start")
     worker.signal(signal.SIGKILL)
     worker.wait()
@@ -79,7 +88,7 @@ def test_a_killed_idempotent_step_is_retried_and_the_fan_in_gets_its_one_output(
     wf = _diamond("ki", "sleep", {"seconds": 0.1, "first_attempt_seconds": 120}, IDEMPOTENT)
     workflow_id = runtime.submit_workflow(wf)
 
-    b_run = _kill_during_b(cluster, ledger, "ki", "worker-ki")
+    b_run = _kill_during_b(cluster, ledger, runtime, workflow_id, "ki")
 
     info = runtime.wait_workflow(workflow_id, timeout=60)
     assert info.status is RunStatus.SUCCEEDED, info
@@ -98,7 +107,7 @@ def test_a_killed_unsafe_step_fails_closed_and_the_fan_in_never_runs(
     wf = _diamond("ku", "sleep", {"seconds": 120}, UNSAFE)
     workflow_id = runtime.submit_workflow(wf)
 
-    b_run = _kill_during_b(cluster, ledger, "ku", "worker-ku")
+    b_run = _kill_during_b(cluster, ledger, runtime, workflow_id, "ku")
 
     info = runtime.wait_workflow(workflow_id, timeout=60)
     assert info.status is RunStatus.FAILED, info
