@@ -20,7 +20,7 @@ from attrs import evolve, field, frozen
 
 from ql3.domain.errors import InvalidRetryPolicy, InvalidTransition, InvalidWorkflow
 from ql3.domain.events import EventType, RunEvent
-from ql3.domain.model import JsonValue, Run, RunOwner, RunStatus
+from ql3.domain.model import MAX_TIMEOUT_MS, JsonValue, Run, RunOwner, RunStatus
 from ql3.domain.policy import RetryPolicy, policy_from_document
 from ql3.domain.states import require_run_edge
 from ql3.domain.step_input import MAX_PARENT_OUTPUTS_BYTES, encoded_size, wrap
@@ -42,7 +42,7 @@ NOT_STARTED_RUN_STATUSES = frozenset(
 )
 
 _DOCUMENT_KEYS = frozenset({"name", "steps"})
-_STEP_KEYS = frozenset({"id", "task", "input", "after", "policy"})
+_STEP_KEYS = frozenset({"id", "task", "input", "after", "policy", "timeout"})
 
 
 class StepStatus(enum.Enum):
@@ -73,6 +73,8 @@ class StepSpec:
     input: JsonValue = None
     after: tuple[str, ...] = ()
     policy: RetryPolicy | None = None
+    # Each Attempt of the step's Run may run this long (ADR 0013); None: no timeout.
+    timeout_ms: int | None = None
 
 
 @frozen(kw_only=True)
@@ -119,6 +121,14 @@ def validate_workflow(spec: WorkflowSpec) -> tuple[str, ...]:
         _check_name(step.task, f"task of step {step.id}", MAX_TASK_NAME_LENGTH)
         if step.id in position:
             raise InvalidWorkflow(f"duplicate step id {step.id!r}")
+        if step.timeout_ms is not None and (
+            isinstance(step.timeout_ms, bool)
+            or not isinstance(step.timeout_ms, int)
+            or not 1 <= step.timeout_ms <= MAX_TIMEOUT_MS
+        ):
+            raise InvalidWorkflow(
+                f"step {step.id!r}: a timeout is within 0.001..{MAX_TIMEOUT_MS // 1000} seconds"
+            )
         position[step.id] = index
     for step in spec.steps:
         for before in step.after:
@@ -173,6 +183,11 @@ def workflow_from_document(document: object) -> WorkflowSpec:
         except InvalidRetryPolicy as error:
             raise InvalidWorkflow(f"step {step_id!r}: {error}") from None
         task = _check_name(raw.get("task"), f"task of step {step_id!r}", MAX_TASK_NAME_LENGTH)
+        timeout = raw.get("timeout")
+        if timeout is not None and (
+            isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0
+        ):
+            raise InvalidWorkflow(f"step {step_id!r}: timeout is a positive number of seconds")
         steps.append(
             StepSpec(
                 id=step_id,
@@ -180,6 +195,7 @@ def workflow_from_document(document: object) -> WorkflowSpec:
                 input=raw.get("input"),
                 after=tuple(dict.fromkeys(after)),
                 policy=policy,
+                timeout_ms=None if timeout is None else max(1, round(timeout * 1000)),
             )
         )
     spec = WorkflowSpec(
@@ -202,11 +218,17 @@ def submit_workflow(
     """The aggregate Run (``created``, no Attempt) and its steps, all ``pending``. A
     ``unique_key`` is held by the aggregate Run while it is unfinished (ADR 0015)."""
     order = validate_workflow(spec)
+    template: dict[str, JsonValue] = {"steps": list(order)}
+    timeouts: dict[str, JsonValue] = {
+        s.id: s.timeout_ms for s in spec.steps if s.timeout_ms is not None
+    }
+    if timeouts:  # the steps' timeouts ride on the aggregate's input: the steps have no column
+        template["timeouts"] = timeouts
     change = admit(
         run_id=run_id,
         attempt_id=None,
         task=spec.name,
-        input={"steps": list(order)},
+        input=template,
         policy=None,
         owner=RunOwner.WORKFLOW,
         unique_key=unique_key,
@@ -334,6 +356,7 @@ def admit_step(
         policy=step.policy,
         owner=RunOwner.RUNTIME,
         parent_run_id=workflow.id,
+        timeout_ms=step_timeout_ms(workflow, step.step_id),
         now_ms=now_ms,
     )
     data: dict[str, JsonValue] = {
@@ -344,6 +367,15 @@ def admit_step(
     change = evolve(change, event=evolve(change.event, data=data))
     after = evolve(step, status=StepStatus.ADMITTED, run_id=run_id, updated_at_ms=now_ms)
     return after, change
+
+
+def step_timeout_ms(workflow: Run, step_id: str) -> int | None:
+    """The timeout the workflow was submitted with for a step (kept in its aggregate's
+    input, ``{"steps": [...], "timeouts": {step id: ms}}``)."""
+    template = workflow.input
+    timeouts = template.get("timeouts") if isinstance(template, dict) else None
+    value = timeouts.get(step_id) if isinstance(timeouts, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def cancel_step(step: WorkflowStep, now_ms: int) -> WorkflowStep:

@@ -311,8 +311,8 @@ class Runtime:
 
     def workflow_spec(self, workflow: Workflow | WorkflowSpec) -> WorkflowSpec:
         """The domain's workflow of ``workflow``, validated: each step's task checked against the
-        registry (when the runtime has one), its input checked as JSON, its policy the one
-        given or else the task's template."""
+        registry (when the runtime has one), its input checked as JSON, its policy and timeout
+        the ones given or else the task's."""
         from ql3.domain.workflows import WorkflowSpec
 
         if isinstance(workflow, WorkflowSpec):
@@ -321,10 +321,10 @@ class Runtime:
             raise InvalidAdmission("submit_workflow takes a ql3.Workflow")
 
         def resolve(
-            task: Task, payload: object, policy: RetryPolicy | None
-        ) -> tuple[str, JsonValue, RetryPolicy | None]:
-            request = self.request(Submission(task, payload, policy))
-            return request.task, request.input, request.policy
+            task: Task, payload: object, policy: RetryPolicy | None, timeout: float | None
+        ) -> tuple[str, JsonValue, RetryPolicy | None, int | None]:
+            request = self.request(Submission(task, payload, policy, timeout))
+            return request.task, request.input, request.policy, request.timeout_ms
 
         return workflow.spec(resolve)
 

@@ -24,7 +24,10 @@ if TYPE_CHECKING:
 
 Task = str | Callable[..., Any]
 # What resolves a step's task, input and policy into a name, a JSON input and a snapshot.
-Resolve = Callable[[Task, object, RetryPolicy | None], tuple[str, JsonValue, RetryPolicy | None]]
+Resolve = Callable[
+    [Task, object, RetryPolicy | None, float | None],
+    tuple[str, JsonValue, RetryPolicy | None, int | None],
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +37,7 @@ class _Step:
     input: object
     after: tuple[str, ...]
     policy: RetryPolicy | None
+    timeout: float | None
 
 
 class Workflow:
@@ -45,7 +49,8 @@ class Workflow:
         runtime.submit_workflow(wf)
 
     :meth:`step` returns the step's id, which later steps name in ``after``. A step's task is a
-    declared function or a task name; its policy is the one given, else the task's template."""
+    declared function or a task name; its policy and timeout are the ones given, else the
+    task's."""
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -59,9 +64,11 @@ class Workflow:
         *,
         after: Iterable[str] = (),
         policy: RetryPolicy | None = None,
+        timeout: float | None = None,
     ) -> str:
         """Add a step; it runs once every step of ``after`` succeeded, and receives their
-        outputs in ``context.parents``. Returns ``step_id``."""
+        outputs in ``context.parents``. ``timeout`` (seconds) replaces the task's. Returns
+        ``step_id``."""
         if isinstance(after, str):
             raise InvalidWorkflow(f"step {step_id!r}: after is a list of step ids, not a string")
         self._steps.append(
@@ -71,6 +78,7 @@ class Workflow:
                 input=input,
                 after=tuple(dict.fromkeys(after)),
                 policy=policy,
+                timeout=timeout,
             )
         )
         return step_id
@@ -84,25 +92,35 @@ class Workflow:
         self,
         resolve: Resolve | None = None,
     ) -> WorkflowSpec:
-        """The domain's workflow, validated. ``resolve(task, input, policy)`` gives each step's
-        task name, JSON input and policy snapshot (the runtime's task registry does); without
-        it, tasks must be names and inputs JSON."""
+        """The domain's workflow, validated. ``resolve(task, input, policy, timeout)`` gives
+        each step's task name, JSON input, policy snapshot and timeout in milliseconds (the
+        runtime's task registry does); without it, tasks must be names and inputs JSON."""
         from ql3.domain.workflows import StepSpec, WorkflowSpec, validate_workflow
 
         steps = []
         for step in self._steps:
             if resolve is not None:
-                task, payload, policy = resolve(step.task, step.input, step.policy)
+                task, payload, policy, timeout_ms = resolve(
+                    step.task, step.input, step.policy, step.timeout
+                )
             elif isinstance(step.task, str):
-                from ql3.application.tasks import json_input
+                from ql3.application.tasks import json_input, timeout_millis
 
                 task, payload, policy = step.task, json_input(step.input), step.policy
+                timeout_ms = timeout_millis(step.timeout)
             else:
                 raise InvalidWorkflow(
                     f"step {step.id!r}: without a task registry, a task is given by its name"
                 )
             steps.append(
-                StepSpec(id=step.id, task=task, input=payload, after=step.after, policy=policy)
+                StepSpec(
+                    id=step.id,
+                    task=task,
+                    input=payload,
+                    after=step.after,
+                    policy=policy,
+                    timeout_ms=timeout_ms,
+                )
             )
         spec = WorkflowSpec(name=self.name, steps=tuple(steps))
         validate_workflow(spec)

@@ -222,3 +222,26 @@ def test_a_standalone_runtime_runs_a_diamond_in_its_own_process(tmp_path: Path) 
         _check_diamond(runtime.wait_workflow(runtime.submit_workflow(diamond()), timeout=60))
         with pytest.raises(UnsupportedTransaction):
             runtime.submit_workflow(diamond(), transaction=object())
+
+
+def test_a_step_runs_with_its_tasks_timeout_or_its_own() -> None:
+    tasks = ql3.TaskRegistry()
+
+    @tasks.task(timeout=20)
+    def slow(payload: Any) -> Any:
+        return payload
+
+    with in_memory(tasks) as runtime:
+        wf = Workflow("timed")
+        first = wf.step("first", slow, 1)
+        wf.step("second", slow, 2, after=[first], timeout=5)
+        wf.step("third", "slow", 3, after=[first], timeout=None)
+        info = runtime.wait_workflow(runtime.submit_workflow(wf))
+        assert info.succeeded
+        with runtime.store.unit_of_work() as uow:
+            timeouts = {s.id: uow.runs.get_run(s.run_id).timeout_ms for s in info.steps}
+        assert timeouts == {"first": 20_000, "second": 5_000, "third": 20_000}
+        wf = Workflow("bad")
+        wf.step("a", slow, 1, timeout=0)
+        with pytest.raises(ql3.InvalidAdmission, match="timeout"):
+            runtime.submit_workflow(wf)

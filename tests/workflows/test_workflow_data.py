@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from ql3.domain import step_input
-from ql3.domain.errors import InvalidTransition
+from ql3.domain.errors import InvalidTransition, InvalidWorkflow
 from ql3.domain.model import ReleaseReason, RunStatus
 from ql3.domain.workflows import StepStatus
 from tests.scheduling_support import Runtime, WorkerDriver, runtime
@@ -201,3 +201,19 @@ def test_a_unique_key_admits_one_unfinished_workflow(
     listed = rt.workflows.list_workflows()
     assert [run.id for run in listed] == [third.run_id, first.run_id]
     assert [r.id for r in rt.workflows.list_workflows(RunStatus.CANCELLED)] == [first.run_id]
+
+
+def test_a_workflow_files_step_timeout_is_its_runs(
+    store: Any, advance: Callable[[int], None]
+) -> None:
+    rt = runtime(store, advance)
+    workflow_id = rt.workflows.submit(
+        {"name": "timed", "steps": [{"id": "a", "task": "t", "timeout": 1.5},
+                                    {"id": "b", "task": "t", "after": ["a"]}]}
+    )
+    assert rt.run(workflow_id).input == {"steps": ["a", "b"], "timeouts": {"a": 1500}}
+    worker = WorkerDriver.register(rt.workers, "w1", ["t"])
+    grants = _drive(rt, worker, workflow_id, lambda step, grant: step)
+    assert (grants["a"].timeout_ms, grants["b"].timeout_ms) == (1500, None)
+    with pytest.raises(InvalidWorkflow, match="timeout is a positive number"):
+        rt.workflows.submit({"name": "w", "steps": [{"id": "a", "task": "t", "timeout": "1"}]})
