@@ -126,7 +126,8 @@ class Workflows:
         Run, every pending step, and every admitted step whose Run has not finished, with that
         Run (a running one's worker is refused at its next call and stops the task, ADR 0017).
         One transaction, locking as the frontier does: the aggregate, its steps, their Runs. A
-        finished workflow raises ``InvalidTransition`` and nothing changes."""
+        workflow that failed while steps ran has those steps cancelled and stays failed; one
+        with nothing left unfinished raises ``InvalidTransition`` and nothing changes."""
         with self._uow_factory() as uow:
             snapshot = uow.runs.lock_run(workflow_run_id)
             if snapshot is None or snapshot.run.owner is not RunOwner.WORKFLOW:
@@ -159,7 +160,8 @@ class Workflows:
                 )
                 uow.runs.apply(locked, change)
                 uow.workflows.update_step(step, cancel_step(step, now_ms))
-            uow.runs.apply(snapshot, decision.aggregate)
+            if decision.aggregate is not None:
+                uow.runs.apply(snapshot, decision.aggregate)
             uow.commit()
         return snapshot.run.status
 

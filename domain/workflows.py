@@ -510,12 +510,13 @@ def _output(step: WorkflowStep, step_runs: Mapping[str, Run]) -> JsonValue:
 
 @frozen(kw_only=True)
 class WorkflowCancellation:
-    """What cancelling a workflow does: the aggregate's ``cancel``; step rows that change
+    """What cancelling a workflow does: the aggregate's ``cancel`` (None when the workflow had
+    already failed and only steps still running are left to stop); step rows that change
     without touching a Run (pending steps cancelled, finished Runs' outcomes recorded); the
     admitted steps whose unfinished Runs are cancelled with them (running ones included: their
     workers are refused at their next call, ADR 0017)."""
 
-    aggregate: Change
+    aggregate: Change | None
     settle: tuple[tuple[WorkflowStep, WorkflowStep], ...] = ()
     cancel: tuple[WorkflowStep, ...] = ()
 
@@ -529,9 +530,12 @@ def cancel_workflow(
     now_ms: int,
 ) -> WorkflowCancellation:
     """Cancel an unfinished workflow and every step of it that has not finished. A finished
-    workflow is refused (``InvalidTransition``)."""
+    workflow whose steps still run (it failed while they ran) has those steps cancelled and
+    keeps its outcome; one with nothing left unfinished is refused (``InvalidTransition``)."""
     _require_workflow(workflow, "be cancelled")
-    aggregate = cancel(run=workflow, attempt=None, lease=None, reason=reason, now_ms=now_ms)
+    aggregate = None
+    if not workflow.status.is_terminal:
+        aggregate = cancel(run=workflow, attempt=None, lease=None, reason=reason, now_ms=now_ms)
     settle: list[tuple[WorkflowStep, WorkflowStep]] = []
     cancelling: list[WorkflowStep] = []
     for step in sorted(steps, key=lambda s: s.position):
@@ -543,6 +547,8 @@ def cancel_workflow(
                 settle.append((step, settle_step(step, run, now_ms)))
             else:
                 cancelling.append(step)
+    if aggregate is None and not cancelling:
+        raise InvalidTransition("run", workflow.id, workflow.status.value, "be cancelled")
     return WorkflowCancellation(
         aggregate=aggregate, settle=tuple(settle), cancel=tuple(cancelling)
     )

@@ -217,3 +217,27 @@ def test_a_workflow_files_step_timeout_is_its_runs(
     assert (grants["a"].timeout_ms, grants["b"].timeout_ms) == (1500, None)
     with pytest.raises(InvalidWorkflow, match="timeout is a positive number"):
         rt.workflows.submit({"name": "w", "steps": [{"id": "a", "task": "t", "timeout": "1"}]})
+
+
+def test_cancelling_a_failed_workflow_stops_the_steps_still_running(
+    store: Any, advance: Callable[[int], None]
+) -> None:
+    rt = runtime(store, advance)
+    workflow_id = rt.workflows.submit(
+        {"name": "w", "steps": [{"id": "a", "task": "t"}, {"id": "b", "task": "t"}]}
+    )
+    worker = WorkerDriver.register(rt.workers, "w1", ["t"], capacity=2)
+    rt.cycle()
+    grants = {_step_of(rt, workflow_id, g.run_id): g for g in worker.claim_all()}
+    worker.finish(grants["a"].run_id, succeeded=False, error="boom")
+    rt.cycle()
+    assert rt.run(workflow_id).status is RunStatus.FAILED
+    assert rt.run(grants["b"].run_id).status is RunStatus.RUNNING  # a failure lets it finish
+
+    assert rt.workflows.cancel(workflow_id, "stop b too") is RunStatus.FAILED
+
+    assert rt.run(workflow_id).status is RunStatus.FAILED  # its outcome stays
+    assert rt.run(grants["b"].run_id).status is RunStatus.CANCELLED
+    assert _steps(rt, workflow_id)["b"].step.status is StepStatus.CANCELLED
+    with pytest.raises(InvalidTransition):
+        rt.workflows.cancel(workflow_id)

@@ -28,7 +28,7 @@ TTL_MS = 30_000
 IDEMPOTENT = {"safety": "idempotent", "retry_on_lost": True, "max_attempts": 2,
               "backoff": {"initial_ms": 0, "cap_ms": 0}}
 UNSAFE = {"safety": "unsafe"}
-OUTPUTS = st.one_of(st.none(), st.integers(-5, 5), st.text(max_size=3),
+OUTPUTS = st.one_of(st.none(), st.integers(-5, 5), st.text(alphabet="abc\u00e9", max_size=3),
                     st.dictionaries(st.sampled_from("xyz"), st.integers(0, 3), max_size=2))
 
 
