@@ -309,6 +309,9 @@ class WorkflowRepository(Protocol):
     def step_of_run(self, run_id: str) -> WorkflowStep | None:
         """The step whose Run this is, if it is a workflow step's Run."""
 
+    def list_workflows(self, status: RunStatus | None, limit: int) -> Sequence[Run]:
+        """Workflow aggregate Runs (of ``status``), the most recently admitted first."""
+
 
 @dataclass(frozen=True, slots=True)
 class PruneMark:

@@ -9,10 +9,11 @@ policy or a timeout of its own instead. What is admitted is the snapshot, as for
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ql3.application.admission import AdmissionRequest
 from ql3.domain.dispatch import task_limit
@@ -20,7 +21,13 @@ from ql3.domain.errors import InvalidAdmission
 from ql3.domain.model import MAX_TIMEOUT_MS, JsonValue
 from ql3.domain.policy import Backoff, RetryPolicy, Safety
 
+if TYPE_CHECKING:
+    # Loaded when a schedule is declared: a submit imports no trigger (ADR 0009).
+    from ql3.domain.triggers import CatchUp
+
 F = TypeVar("F", bound=Callable[..., Any])
+# As ql3.domain.triggers.DEFAULT_CATCH_UP_LIMIT (checked there when a schedule is declared).
+DEFAULT_CATCH_UP_LIMIT = 10
 
 
 class UnknownTask(InvalidAdmission):
@@ -43,6 +50,35 @@ class TaskDefinition:
     # The most Attempts of the task running at once, cluster-wide (ADR 0014); None: no limit
     # declared.
     limit: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Schedule:
+    """When a task runs by itself: ``cron`` (five fields, UTC) or ``every`` (seconds or a
+    ``timedelta``, at least 1 s), not both; each firing admits a run with ``input``.
+    ``catch_up`` (``"skip"``, ``"one"``, ``"all"``) says what a firing missed while no
+    scheduler ran does (ADR 0003). ``name`` defaults to the task's name."""
+
+    cron: str | None = None
+    every: float | dt.timedelta | None = None
+    input: object = None
+    catch_up: str = "skip"
+    catch_up_limit: int = DEFAULT_CATCH_UP_LIMIT
+    name: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduleDefinition:
+    """A schedule declared in code, as the runtime records it: the trigger ``code:NAME``."""
+
+    name: str
+    task: str
+    input: JsonValue
+    policy: RetryPolicy | None
+    every_ms: int | None
+    cron: str | None
+    catch_up: CatchUp
+    catch_up_limit: int
 
 
 def json_input(value: object) -> JsonValue:
@@ -119,6 +155,7 @@ class TaskRegistry(Mapping[str, Callable[..., Any]]):
     def __init__(self) -> None:
         self._definitions: dict[str, TaskDefinition] = {}
         self._names: dict[int, str] = {}
+        self._schedules: dict[str, ScheduleDefinition] = {}
 
     # --- declaring ------------------------------------------------------------------------------
 
@@ -136,13 +173,18 @@ class TaskRegistry(Mapping[str, Callable[..., Any]]):
         policy: RetryPolicy | None = None,
         timeout: float | None = None,
         limit: int | None = None,
+        schedule: Schedule | str | None = None,
     ) -> Any:
         """Declare a task (its name defaults to the function's). Give the template either as
         ``policy=`` or as its parts; a task declared with neither is admitted without a policy.
         ``retry_on_error`` retries an attempt whose task raised or timed out (only for
         ``idempotent`` or ``deduplicated`` tasks); ``timeout`` is the seconds an attempt may
         run before its worker stops it as a failure. ``limit``: the most Attempts of the task
-        running at once across the cluster, recorded when the runtime starts (ADR 0014)."""
+        running at once across the cluster, recorded when the runtime starts (ADR 0014).
+        ``schedule``: a :class:`Schedule` (or a cron expression) on which the task runs by
+        itself, recorded as a trigger when the runtime starts (ADR 0021)."""
+        if schedule is not None and not isinstance(schedule, Schedule | str):
+            raise InvalidAdmission("schedule= is a ql3.Schedule or a cron expression")
         if policy is not None and (
             safety is not None
             or retry_on_lost
@@ -161,7 +203,20 @@ class TaskRegistry(Mapping[str, Callable[..., Any]]):
         timeout_ms = timeout_millis(timeout)
 
         def declare(function: F) -> F:
-            self.add(function, name=name, policy=template, timeout_ms=timeout_ms, limit=limit)
+            definition = self.add(
+                function, name=name, policy=template, timeout_ms=timeout_ms, limit=limit
+            )
+            if schedule is not None:
+                chosen = Schedule(cron=schedule) if isinstance(schedule, str) else schedule
+                self.schedule(
+                    chosen.name or definition.name,
+                    definition.name,
+                    cron=chosen.cron,
+                    every=chosen.every,
+                    input=chosen.input,
+                    catch_up=chosen.catch_up,
+                    catch_up_limit=chosen.catch_up_limit,
+                )
             return function
 
         return declare(fn) if fn is not None else declare
@@ -192,7 +247,81 @@ class TaskRegistry(Mapping[str, Callable[..., Any]]):
         self._names.setdefault(id(fn), task_name)
         return definition
 
+    def schedule(
+        self,
+        name: str,
+        task: str | Callable[..., Any],
+        *,
+        cron: str | None = None,
+        every: float | dt.timedelta | None = None,
+        input: object = None,
+        catch_up: str = "skip",
+        catch_up_limit: int = DEFAULT_CATCH_UP_LIMIT,
+        policy: RetryPolicy | None = None,
+    ) -> ScheduleDefinition:
+        """Declare that ``task`` (declared here) runs by itself on ``cron`` (five fields, UTC)
+        or ``every`` (seconds or a ``timedelta``), not both. ``runtime.start()`` records it as
+        the trigger ``code:NAME`` (created, or updated to match), fired once per scheduled
+        time across all replicas; a ``code:`` trigger no longer declared is paused. ``policy``
+        defaults to the task's template (ADR 0021)."""
+        from ql3.domain.triggers import (
+            MAX_CATCH_UP_LIMIT,
+            MAX_INTERVAL_MS,
+            MIN_INTERVAL_MS,
+            CatchUp,
+        )
+
+        if not isinstance(name, str) or not name or name.strip() != name:
+            raise InvalidAdmission(f"a schedule needs a name without padding, got {name!r}")
+        if name in self._schedules:
+            raise InvalidAdmission(f"schedule {name!r} is declared twice")
+        definition = self.definition(task)
+        if (cron is None) == (every is None):
+            raise InvalidAdmission(f"schedule {name!r}: give exactly one of cron= and every=")
+        every_ms: int | None = None
+        if every is not None:
+            seconds = (
+                every.total_seconds()
+                if isinstance(every, dt.timedelta)
+                else every
+                if isinstance(every, int | float) and not isinstance(every, bool)
+                else None
+            )
+            if seconds is None or not MIN_INTERVAL_MS <= seconds * 1000 <= MAX_INTERVAL_MS:
+                raise InvalidAdmission(
+                    f"schedule {name!r}: every= is a number of seconds within "
+                    f"{MIN_INTERVAL_MS // 1000}..{MAX_INTERVAL_MS // 1000}, or a timedelta"
+                )
+            every_ms = round(seconds * 1000)
+        if cron is not None and (not isinstance(cron, str) or not cron.strip()):
+            raise InvalidAdmission(f"schedule {name!r}: cron= is a cron expression")
+        try:
+            chosen = CatchUp(catch_up)
+        except ValueError:
+            choices = ", ".join(c.value for c in CatchUp)
+            raise InvalidAdmission(f"schedule {name!r}: catch_up is one of {choices}") from None
+        if isinstance(catch_up_limit, bool) or not 1 <= catch_up_limit <= MAX_CATCH_UP_LIMIT:
+            raise InvalidAdmission(
+                f"schedule {name!r}: catch_up_limit is within 1..{MAX_CATCH_UP_LIMIT}"
+            )
+        declared = ScheduleDefinition(
+            name=name,
+            task=definition.name,
+            input=json_input(input),
+            policy=policy if policy is not None else definition.policy,
+            every_ms=every_ms,
+            cron=cron,
+            catch_up=chosen,
+            catch_up_limit=catch_up_limit,
+        )
+        self._schedules[name] = declared
+        return declared
+
     # --- reading --------------------------------------------------------------------------------
+
+    def schedules(self) -> tuple[ScheduleDefinition, ...]:
+        """The schedules declared, by name."""
+        return tuple(self._schedules[name] for name in sorted(self._schedules))
 
     def definition(self, task: str | Callable[..., Any]) -> TaskDefinition:
         """The declaration of a task given by name or by its function."""

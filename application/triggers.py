@@ -9,7 +9,7 @@ firing is admitted exactly once whichever replica gets there first.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ql3.application.budgets import validate_page_size
@@ -24,6 +24,7 @@ from ql3.domain.errors import ConcurrencyConflict, DomainError, Error, InvalidTr
 from ql3.domain.model import JsonValue
 from ql3.domain.policy import RetryPolicy
 from ql3.domain.triggers import (
+    DECLARED_PREFIX,
     DEFAULT_CATCH_UP_LIMIT,
     CatchUp,
     FireSchedule,
@@ -36,8 +37,10 @@ from ql3.domain.triggers import (
     delete_trigger,
     fire,
     interval_schedule,
+    is_declared,
     pause_trigger,
     plan_firings,
+    redefine_trigger,
     resume_trigger,
 )
 
@@ -70,8 +73,17 @@ class TriggerDefinition:
     catch_up_limit: int = DEFAULT_CATCH_UP_LIMIT
 
 
+@dataclass(frozen=True, slots=True)
+class DeclaredTriggers:
+    """What :meth:`Triggers.declare` changed, by trigger name."""
+
+    created: tuple[str, ...] = ()
+    updated: tuple[str, ...] = ()
+    paused: tuple[str, ...] = ()
+
+
 class Triggers:
-    """Add, list, pause, resume and delete triggers by name."""
+    """Add, list, pause, resume and delete triggers by name; record those declared in code."""
 
     def __init__(
         self,
@@ -84,24 +96,101 @@ class Triggers:
         self._calendar = calendar
 
     def add(self, definition: TriggerDefinition) -> Trigger:
-        """A new active trigger; its first firing is the first scheduled time after now."""
-        if (definition.every_ms is None) == (definition.cron is None):
-            raise InvalidTrigger("a trigger has either an interval or a cron expression")
+        """A new active trigger; its first firing is the first scheduled time after now. The
+        names of the triggers declared in code (``code:...``) are refused here."""
+        if definition.name.startswith(DECLARED_PREFIX):
+            raise InvalidTrigger(
+                f"trigger names starting with {DECLARED_PREFIX!r} are those of the schedules "
+                "an application declares in code"
+            )
         with self._uow_factory() as uow:
-            now_ms = uow.now_ms()
             if uow.triggers.find(definition.name) is not None:
                 raise InvalidTrigger(f"a trigger named {definition.name!r} already exists")
-            schedule: FireSchedule
-            if definition.cron is not None:
-                schedule = self._calendar.schedule(definition.cron)
-            else:
-                assert definition.every_ms is not None
-                if definition.every_ms < 1:
-                    raise InvalidTrigger("interval must be positive")
-                schedule = IntervalSchedule(anchor_ms=now_ms, every_ms=definition.every_ms)
-            trigger = define_trigger(
-                trigger_id=self._identities.new_id(),
-                name=definition.name,
+            trigger = self._define(uow, definition)
+            uow.triggers.add(trigger)
+            uow.commit()
+        return trigger
+
+    def _schedule(self, definition: TriggerDefinition, now_ms: int) -> FireSchedule:
+        """The fire times of a new (or newly scheduled) trigger, anchored at now."""
+        if (definition.every_ms is None) == (definition.cron is None):
+            raise InvalidTrigger("a trigger has either an interval or a cron expression")
+        if definition.cron is not None:
+            return self._calendar.schedule(definition.cron)
+        assert definition.every_ms is not None
+        if definition.every_ms < 1:
+            raise InvalidTrigger("interval must be positive")
+        return IntervalSchedule(anchor_ms=now_ms, every_ms=definition.every_ms)
+
+    def _define(self, uow: SchedulerUnitOfWork, definition: TriggerDefinition) -> Trigger:
+        now_ms = uow.now_ms()
+        return define_trigger(
+            trigger_id=self._identities.new_id(),
+            name=definition.name,
+            task=definition.task,
+            input=definition.input,
+            policy=definition.policy,
+            every_ms=definition.every_ms,
+            cron=definition.cron,
+            catch_up=definition.catch_up,
+            catch_up_limit=definition.catch_up_limit,
+            first_fire_at_ms=self._schedule(definition, now_ms).next_after(now_ms),
+            now_ms=now_ms,
+        )
+
+    def declare(self, definitions: Sequence[TriggerDefinition]) -> DeclaredTriggers:
+        """Record the triggers an application's code declares (their names start with
+        ``code:``): each is created, or made to match its declaration and active, each in a
+        transaction of its own (a replica that starts at the same time finds it made). Every
+        other ``code:`` trigger still active is paused: the code no longer declares it. The
+        triggers an operator made are left alone."""
+        names = [definition.name for definition in definitions]
+        if len(set(names)) != len(names):
+            raise InvalidTrigger("a schedule is declared twice")
+        for definition in definitions:
+            if not definition.name.startswith(DECLARED_PREFIX):
+                raise InvalidTrigger(f"a declared trigger's name starts with {DECLARED_PREFIX!r}")
+            self._schedule(definition, 0)  # a bad cron expression is refused before any write
+        created: list[str] = []
+        updated: list[str] = []
+        for definition in definitions:
+            for round_ in (1, 2):
+                try:
+                    outcome = self._declare_one(definition)
+                except ConcurrencyConflict:  # another replica made or changed it meanwhile
+                    if round_ == 2:
+                        raise
+                    continue
+                if outcome == "created":
+                    created.append(definition.name)
+                elif outcome == "updated":
+                    updated.append(definition.name)
+                break
+        paused: list[str] = []
+        for trigger in self.list_triggers():
+            if (
+                is_declared(trigger)
+                and trigger.name not in names
+                and trigger.status is TriggerStatus.ACTIVE
+            ):
+                try:
+                    self.pause(trigger.name)
+                except (ConcurrencyConflict, UnknownTrigger, DomainError):
+                    continue  # another replica paused or changed it meanwhile
+                paused.append(trigger.name)
+        return DeclaredTriggers(created=tuple(created), updated=tuple(updated),
+                                paused=tuple(paused))
+
+    def _declare_one(self, definition: TriggerDefinition) -> str:
+        with self._uow_factory() as uow:
+            found = uow.triggers.find(definition.name, lock=True)
+            if found is None:
+                uow.triggers.add(self._define(uow, definition))
+                uow.commit()
+                return "created"
+            now_ms = uow.now_ms()
+            after = redefine_trigger(
+                found,
                 task=definition.task,
                 input=definition.input,
                 policy=definition.policy,
@@ -109,12 +198,14 @@ class Triggers:
                 cron=definition.cron,
                 catch_up=definition.catch_up,
                 catch_up_limit=definition.catch_up_limit,
-                first_fire_at_ms=schedule.next_after(now_ms),
+                schedule=self._schedule(definition, now_ms),
                 now_ms=now_ms,
             )
-            uow.triggers.add(trigger)
+            if after is None:
+                return "unchanged"
+            uow.triggers.update(found, after)
             uow.commit()
-        return trigger
+            return "updated"
 
     def get(self, name: str) -> Trigger:
         with self._uow_factory() as uow:

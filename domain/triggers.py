@@ -337,3 +337,63 @@ def delete_trigger(trigger: Trigger, now_ms: int) -> Trigger:
         trigger, status=TriggerStatus.DELETED, version=trigger.version + 1, updated_at_ms=now_ms
     )
 
+
+
+# --- triggers declared in code ---------------------------------------------------------------
+
+# The names of the triggers an application's code declares (``TaskRegistry.schedule``) start
+# with this; an operator's triggers may not, so a start of the runtime knows which are its own.
+DECLARED_PREFIX = "code:"
+
+
+def is_declared(trigger: Trigger) -> bool:
+    """A trigger the application's code declared (and a runtime's start keeps up to date)."""
+    return trigger.name.startswith(DECLARED_PREFIX)
+
+
+def redefine_trigger(
+    trigger: Trigger,
+    *,
+    task: str,
+    input: JsonValue,
+    policy: RetryPolicy | None,
+    every_ms: int | None,
+    cron: str | None,
+    catch_up: CatchUp,
+    catch_up_limit: int,
+    schedule: FireSchedule,
+    now_ms: int,
+) -> Trigger | None:
+    """A declared trigger made to match its declaration again, active; None when it matches
+    already. Its next firing moves only when its schedule changed or it was paused: then it is
+    the first scheduled time after now (a paused trigger is not caught up, as on resume)."""
+    if trigger.status is TriggerStatus.DELETED:
+        raise InvalidTransition("trigger", trigger.name, trigger.status.value, "be redefined")
+    template = (task, input, policy, every_ms, cron, catch_up, catch_up_limit)
+    current = (
+        trigger.task,
+        trigger.input,
+        trigger.policy,
+        trigger.every_ms,
+        trigger.cron,
+        trigger.catch_up,
+        trigger.catch_up_limit,
+    )
+    if template == current and trigger.status is TriggerStatus.ACTIVE:
+        return None
+    moved = (every_ms, cron) != (trigger.every_ms, trigger.cron)
+    restart = moved or trigger.status is not TriggerStatus.ACTIVE
+    return evolve(
+        trigger,
+        task=task,
+        input=input,
+        policy=policy,
+        every_ms=every_ms,
+        cron=cron,
+        catch_up=catch_up,
+        catch_up_limit=catch_up_limit,
+        status=TriggerStatus.ACTIVE,
+        next_fire_at_ms=schedule.next_after(now_ms) if restart else trigger.next_fire_at_ms,
+        version=trigger.version + 1,
+        updated_at_ms=now_ms,
+    )

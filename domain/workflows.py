@@ -16,14 +16,15 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping, Sequence
 
-from attrs import evolve, frozen
+from attrs import evolve, field, frozen
 
 from ql3.domain.errors import InvalidRetryPolicy, InvalidTransition, InvalidWorkflow
 from ql3.domain.events import EventType, RunEvent
-from ql3.domain.model import JsonValue, Run, RunOwner, RunStatus
+from ql3.domain.model import MAX_TIMEOUT_MS, JsonValue, Run, RunOwner, RunStatus
 from ql3.domain.policy import RetryPolicy, policy_from_document
 from ql3.domain.states import require_run_edge
-from ql3.domain.transitions import MAX_TASK_NAME_LENGTH, Change, admit
+from ql3.domain.step_input import MAX_PARENT_OUTPUTS_BYTES, encoded_size, wrap
+from ql3.domain.transitions import MAX_TASK_NAME_LENGTH, Change, admit, cancel
 
 MAX_WORKFLOW_STEPS = 256
 MAX_STEP_ID_LENGTH = 100
@@ -41,7 +42,7 @@ NOT_STARTED_RUN_STATUSES = frozenset(
 )
 
 _DOCUMENT_KEYS = frozenset({"name", "steps"})
-_STEP_KEYS = frozenset({"id", "task", "input", "after", "policy"})
+_STEP_KEYS = frozenset({"id", "task", "input", "after", "policy", "timeout"})
 
 
 class StepStatus(enum.Enum):
@@ -72,6 +73,8 @@ class StepSpec:
     input: JsonValue = None
     after: tuple[str, ...] = ()
     policy: RetryPolicy | None = None
+    # Each Attempt of the step's Run may run this long (ADR 0013); None: no timeout.
+    timeout_ms: int | None = None
 
 
 @frozen(kw_only=True)
@@ -118,6 +121,14 @@ def validate_workflow(spec: WorkflowSpec) -> tuple[str, ...]:
         _check_name(step.task, f"task of step {step.id}", MAX_TASK_NAME_LENGTH)
         if step.id in position:
             raise InvalidWorkflow(f"duplicate step id {step.id!r}")
+        if step.timeout_ms is not None and (
+            isinstance(step.timeout_ms, bool)
+            or not isinstance(step.timeout_ms, int)
+            or not 1 <= step.timeout_ms <= MAX_TIMEOUT_MS
+        ):
+            raise InvalidWorkflow(
+                f"step {step.id!r}: a timeout is within 0.001..{MAX_TIMEOUT_MS // 1000} seconds"
+            )
         position[step.id] = index
     for step in spec.steps:
         for before in step.after:
@@ -172,6 +183,11 @@ def workflow_from_document(document: object) -> WorkflowSpec:
         except InvalidRetryPolicy as error:
             raise InvalidWorkflow(f"step {step_id!r}: {error}") from None
         task = _check_name(raw.get("task"), f"task of step {step_id!r}", MAX_TASK_NAME_LENGTH)
+        timeout = raw.get("timeout")
+        if timeout is not None and (
+            isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0
+        ):
+            raise InvalidWorkflow(f"step {step_id!r}: timeout is a positive number of seconds")
         steps.append(
             StepSpec(
                 id=step_id,
@@ -179,6 +195,7 @@ def workflow_from_document(document: object) -> WorkflowSpec:
                 input=raw.get("input"),
                 after=tuple(dict.fromkeys(after)),
                 policy=policy,
+                timeout_ms=None if timeout is None else max(1, round(timeout * 1000)),
             )
         )
     spec = WorkflowSpec(
@@ -195,16 +212,26 @@ class WorkflowSubmitted:
     steps: tuple[WorkflowStep, ...]
 
 
-def submit_workflow(*, spec: WorkflowSpec, run_id: str, now_ms: int) -> WorkflowSubmitted:
-    """The aggregate Run (``created``, no Attempt) and its steps, all ``pending``."""
+def submit_workflow(
+    *, spec: WorkflowSpec, run_id: str, now_ms: int, unique_key: str | None = None
+) -> WorkflowSubmitted:
+    """The aggregate Run (``created``, no Attempt) and its steps, all ``pending``. A
+    ``unique_key`` is held by the aggregate Run while it is unfinished (ADR 0015)."""
     order = validate_workflow(spec)
+    template: dict[str, JsonValue] = {"steps": list(order)}
+    timeouts: dict[str, JsonValue] = {
+        s.id: s.timeout_ms for s in spec.steps if s.timeout_ms is not None
+    }
+    if timeouts:  # the steps' timeouts ride on the aggregate's input: the steps have no column
+        template["timeouts"] = timeouts
     change = admit(
         run_id=run_id,
         attempt_id=None,
         task=spec.name,
-        input={"steps": list(order)},
+        input=template,
         policy=None,
         owner=RunOwner.WORKFLOW,
+        unique_key=unique_key,
         now_ms=now_ms,
     )
     data: dict[str, JsonValue] = {**change.event.data, "steps": len(spec.steps)}
@@ -236,10 +263,12 @@ class FrontierDecision:
     ``settle``: step rows that change without touching a Run (outcomes recorded, pending steps
     cancelled), as (before, after). ``admit``: pending steps to admit. ``cancel``: admitted steps
     whose Runs have not started and must be cancelled (re-checked under the Run's lock).
-    ``aggregate``: the workflow Run's own change, if any."""
+    ``aggregate``: the workflow Run's own change, if any. ``inputs``: the input snapshot of
+    each step to admit, by step id (its parents' outputs fixed in it, see :func:`step_input`)."""
 
     settle: tuple[tuple[WorkflowStep, WorkflowStep], ...] = ()
     admit: tuple[WorkflowStep, ...] = ()
+    inputs: Mapping[str, JsonValue] = field(factory=dict)
     cancel: tuple[WorkflowStep, ...] = ()
     aggregate: Change | None = None
 
@@ -283,15 +312,19 @@ def succeed_workflow(run: Run, output: JsonValue, now_ms: int) -> Change:
     return Change(run=new_run, attempts=(), lease=None, event=event)
 
 
-def fail_workflow(run: Run, step: WorkflowStep, detail: str | None, now_ms: int) -> Change:
-    """``created|running -> failed`` because ``step`` failed or was cancelled."""
+def fail_workflow(
+    run: Run, step: WorkflowStep, detail: str | None, now_ms: int, *, reason: str | None = None
+) -> Change:
+    """``created|running -> failed`` because ``step`` failed or was cancelled (``reason``
+    names why in the event, when it is not the step's own outcome)."""
     _require_workflow(run, "fail")
     if run.status not in (RunStatus.CREATED, RunStatus.RUNNING):
         raise InvalidTransition("run", run.id, run.status.value, "fail as a workflow")
     require_run_edge(run, RunStatus.FAILED, "fail as a workflow")
     error = f"step {step.step_id} {step.status.value}" + (f": {detail}" if detail else "")
     new_run = evolve(run, status=RunStatus.FAILED, error=error, updated_at_ms=now_ms)
-    reason = "step_cancelled" if step.status is StepStatus.CANCELLED else "step_failed"
+    if reason is None:
+        reason = "step_cancelled" if step.status is StepStatus.CANCELLED else "step_failed"
     event = _aggregate_event(
         new_run, EventType.RUN_FAILED, now_ms, {"reason": reason, "step": step.step_id}
     )
@@ -299,9 +332,17 @@ def fail_workflow(run: Run, step: WorkflowStep, detail: str | None, now_ms: int)
 
 
 def admit_step(
-    *, workflow: Run, step: WorkflowStep, run_id: str, attempt_id: str, now_ms: int
+    *,
+    workflow: Run,
+    step: WorkflowStep,
+    run_id: str,
+    attempt_id: str,
+    now_ms: int,
+    input: JsonValue = None,
 ) -> tuple[WorkflowStep, Change]:
-    """A pending step becomes a ``queued`` runtime Run of its own, child of the workflow."""
+    """A pending step becomes a ``queued`` runtime Run of its own, child of the workflow, with
+    ``input`` as its snapshot (what :func:`decide_frontier` chose: the step's own input, or it
+    and its parents' outputs)."""
     _require_workflow(workflow, "admit a step")
     if workflow.status.is_terminal:
         raise InvalidTransition("run", workflow.id, workflow.status.value, "admit a step")
@@ -311,10 +352,11 @@ def admit_step(
         run_id=run_id,
         attempt_id=attempt_id,
         task=step.task,
-        input=step.input,
+        input=input,
         policy=step.policy,
         owner=RunOwner.RUNTIME,
         parent_run_id=workflow.id,
+        timeout_ms=step_timeout_ms(workflow, step.step_id),
         now_ms=now_ms,
     )
     data: dict[str, JsonValue] = {
@@ -327,11 +369,54 @@ def admit_step(
     return after, change
 
 
+def step_timeout_ms(workflow: Run, step_id: str) -> int | None:
+    """The timeout the workflow was submitted with for a step (kept in its aggregate's
+    input, ``{"steps": [...], "timeouts": {step id: ms}}``)."""
+    template = workflow.input
+    timeouts = template.get("timeouts") if isinstance(template, dict) else None
+    value = timeouts.get(step_id) if isinstance(timeouts, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
 def cancel_step(step: WorkflowStep, now_ms: int) -> WorkflowStep:
     """A step that will not run (any more): pending, or admitted with its Run cancelled."""
     if step.status not in (StepStatus.PENDING, StepStatus.ADMITTED):
         raise InvalidTransition("step", step.step_id, step.status.value, "be cancelled")
     return evolve(step, status=StepStatus.CANCELLED, updated_at_ms=now_ms)
+
+
+def settle_step(step: WorkflowStep, run: Run, now_ms: int) -> WorkflowStep:
+    """An admitted step takes the outcome of its finished Run."""
+    if step.status is not StepStatus.ADMITTED or step.run_id != run.id:
+        raise InvalidTransition("step", step.step_id, step.status.value, "be settled")
+    if not run.status.is_terminal:
+        raise InvalidTransition("step", step.step_id, run.status.value, "be settled")
+    return evolve(step, status=_STEP_OUTCOME[run.status], updated_at_ms=now_ms)
+
+
+class StepInputTooLarge(InvalidWorkflow):
+    """A step's parents' outputs are larger than :data:`MAX_PARENT_OUTPUTS_BYTES`."""
+
+
+def step_input(step: WorkflowStep, parents: Mapping[str, JsonValue]) -> JsonValue:
+    """The input snapshot of a step being admitted: its own input when it has no parents;
+    else its input and every parent's output (``ql3.domain.step_input``), refused with
+    :class:`StepInputTooLarge` above :data:`MAX_PARENT_OUTPUTS_BYTES`."""
+    if not step.after:
+        return step.input
+    size = encoded_size(parents)
+    if size > MAX_PARENT_OUTPUTS_BYTES:
+        raise StepInputTooLarge(
+            f"the outputs of its parents ({', '.join(step.after)}) are {size} bytes of JSON, "
+            f"more than the {MAX_PARENT_OUTPUTS_BYTES} a step receives"
+        )
+    wrapped: JsonValue = wrap(
+        workflow_run_id=step.workflow_run_id,
+        step_id=step.step_id,
+        input=step.input,
+        parents=parents,
+    )
+    return wrapped
 
 
 def decide_frontier(
@@ -341,10 +426,12 @@ def decide_frontier(
     step_runs: Mapping[str, Run],
     now_ms: int,
 ) -> FrontierDecision:
-    """Record finished steps, then either admit the steps whose predecessors all succeeded,
-    finish the workflow, or (after a failure or a cancellation) stop everything not started.
+    """Record finished steps, then either admit the steps whose predecessors all succeeded
+    (each with its parents' outputs fixed in its input), finish the workflow, or (after a
+    failure or a cancellation) stop everything not started. A step whose parents' outputs are
+    too large to pass is cancelled without a Run and fails the workflow.
 
-    ``step_runs`` holds the current Runs of admitted steps, by run id."""
+    ``step_runs`` holds the current Runs of admitted and succeeded steps, by run id."""
     _require_workflow(workflow, "advance")
     ordered = sorted(steps, key=lambda s: s.position)
     current = {step.step_id: step for step in ordered}
@@ -352,7 +439,7 @@ def decide_frontier(
     for step in ordered:
         run = step_runs.get(step.run_id) if step.run_id is not None else None
         if step.status is StepStatus.ADMITTED and run is not None and run.status.is_terminal:
-            settled = evolve(step, status=_STEP_OUTCOME[run.status], updated_at_ms=now_ms)
+            settled = settle_step(step, run, now_ms)
             settle.append((step, settled))
             current[step.step_id] = settled
     view = [current[step.step_id] for step in ordered]
@@ -360,6 +447,8 @@ def decide_frontier(
         (s for s in view if s.status in (StepStatus.FAILED, StepStatus.CANCELLED)), None
     )
     live = not workflow.status.is_terminal
+    detail: str | None = None
+    reason: str | None = None
     if live and broken is None:
         if all(s.status is StepStatus.SUCCEEDED for s in view):
             output: dict[str, JsonValue] = {
@@ -376,23 +465,93 @@ def decide_frontier(
             if s.status is StepStatus.PENDING
             and all(current[b].status is StepStatus.SUCCEEDED for b in s.after)
         )
-        aggregate = None
-        if ready and workflow.status is RunStatus.CREATED:
-            aggregate = start_workflow(workflow, [s.step_id for s in ready], now_ms)
-        return FrontierDecision(settle=tuple(settle), admit=ready, aggregate=aggregate)
+        inputs: dict[str, JsonValue] = {}
+        for s in ready:
+            parents = {b: _output(current[b], step_runs) for b in s.after}
+            try:
+                inputs[s.step_id] = step_input(s, parents)
+            except StepInputTooLarge as error:
+                refused = cancel_step(s, now_ms)
+                settle.append((s, refused))
+                current[s.step_id] = broken = refused
+                detail, reason = str(error), "step_input_too_large"
+                view = [current[step.step_id] for step in ordered]
+                break
+        else:
+            aggregate = None
+            if ready and workflow.status is RunStatus.CREATED:
+                aggregate = start_workflow(workflow, [s.step_id for s in ready], now_ms)
+            return FrontierDecision(
+                settle=tuple(settle), admit=ready, inputs=inputs, aggregate=aggregate
+            )
     aggregate = None
     if live and broken is not None:
-        run = step_runs.get(broken.run_id) if broken.run_id is not None else None
-        aggregate = fail_workflow(workflow, broken, run.error if run else None, now_ms)
-    cancel: list[WorkflowStep] = []
+        if detail is None:
+            run = step_runs.get(broken.run_id) if broken.run_id is not None else None
+            detail = run.error if run else None
+        aggregate = fail_workflow(workflow, broken, detail, now_ms, reason=reason)
+    cancelling: list[WorkflowStep] = []
     for step in view:
         if step.status is StepStatus.PENDING:
             settle.append((step, cancel_step(step, now_ms)))
         elif step.status is StepStatus.ADMITTED:
             run = step_runs.get(step.run_id) if step.run_id is not None else None
             if run is not None and run.status in NOT_STARTED_RUN_STATUSES:
-                cancel.append(step)
-    return FrontierDecision(settle=tuple(settle), cancel=tuple(cancel), aggregate=aggregate)
+                cancelling.append(step)
+    return FrontierDecision(settle=tuple(settle), cancel=tuple(cancelling), aggregate=aggregate)
+
+
+def _output(step: WorkflowStep, step_runs: Mapping[str, Run]) -> JsonValue:
+    run = step_runs.get(step.run_id) if step.run_id is not None else None
+    if run is None:  # a succeeded step's Run is always read with it
+        raise InvalidTransition("step", step.step_id, step.status.value, "pass its output")
+    return run.output
+
+
+@frozen(kw_only=True)
+class WorkflowCancellation:
+    """What cancelling a workflow does: the aggregate's ``cancel`` (None when the workflow had
+    already failed and only steps still running are left to stop); step rows that change
+    without touching a Run (pending steps cancelled, finished Runs' outcomes recorded); the
+    admitted steps whose unfinished Runs are cancelled with them (running ones included: their
+    workers are refused at their next call, ADR 0017)."""
+
+    aggregate: Change | None
+    settle: tuple[tuple[WorkflowStep, WorkflowStep], ...] = ()
+    cancel: tuple[WorkflowStep, ...] = ()
+
+
+def cancel_workflow(
+    *,
+    workflow: Run,
+    steps: Sequence[WorkflowStep],
+    step_runs: Mapping[str, Run],
+    reason: str,
+    now_ms: int,
+) -> WorkflowCancellation:
+    """Cancel an unfinished workflow and every step of it that has not finished. A finished
+    workflow whose steps still run (it failed while they ran) has those steps cancelled and
+    keeps its outcome; one with nothing left unfinished is refused (``InvalidTransition``)."""
+    _require_workflow(workflow, "be cancelled")
+    aggregate = None
+    if not workflow.status.is_terminal:
+        aggregate = cancel(run=workflow, attempt=None, lease=None, reason=reason, now_ms=now_ms)
+    settle: list[tuple[WorkflowStep, WorkflowStep]] = []
+    cancelling: list[WorkflowStep] = []
+    for step in sorted(steps, key=lambda s: s.position):
+        if step.status is StepStatus.PENDING:
+            settle.append((step, cancel_step(step, now_ms)))
+        elif step.status is StepStatus.ADMITTED:
+            run = step_runs.get(step.run_id) if step.run_id is not None else None
+            if run is not None and run.status.is_terminal:
+                settle.append((step, settle_step(step, run, now_ms)))
+            else:
+                cancelling.append(step)
+    if aggregate is None and not cancelling:
+        raise InvalidTransition("run", workflow.id, workflow.status.value, "be cancelled")
+    return WorkflowCancellation(
+        aggregate=aggregate, settle=tuple(settle), cancel=tuple(cancelling)
+    )
 
 
 def needs_frontier(

@@ -14,7 +14,14 @@ if TYPE_CHECKING:
     from ql3.adapters.execution import TaskContext
     from ql3.application.admission import UnknownRun
     from ql3.application.history import InvalidBatchSize, InvalidDuration, PruneReport
-    from ql3.application.tasks import InvalidInput, TaskDefinition, TaskRegistry, UnknownTask
+    from ql3.application.tasks import (
+        InvalidInput,
+        Schedule,
+        TaskDefinition,
+        TaskRegistry,
+        UnknownTask,
+    )
+    from ql3.application.workflows import UnknownWorkflow
     from ql3.domain.dispatch import InvalidTaskLimit, TaskLimit
     from ql3.domain.errors import (
         DomainError,
@@ -22,9 +29,12 @@ if TYPE_CHECKING:
         InvalidAdmission,
         InvalidRetryPolicy,
         InvalidTransition,
+        InvalidWorkflow,
     )
     from ql3.domain.model import MAX_PRIORITY, MIN_PRIORITY, RunStatus
     from ql3.domain.policy import Backoff, RetryPolicy, Safety
+    from ql3.domain.step_input import MAX_PARENT_OUTPUTS_BYTES
+    from ql3.domain.workflows import StepInputTooLarge, StepStatus
     from ql3.profiles import ClusterRuntime, StandaloneRuntime
     from ql3.runtime import (
         RunInfo,
@@ -34,6 +44,7 @@ if TYPE_CHECKING:
         UnsupportedTransaction,
         WaitTimeout,
     )
+    from ql3.workflows import StepInfo, Workflow, WorkflowInfo
 
     __version__: str
 
@@ -47,9 +58,11 @@ _EXPORTS: dict[str, str] = {
     "InvalidDuration": "ql3.application.history",
     "PruneReport": "ql3.application.history",
     "InvalidInput": "ql3.application.tasks",
+    "Schedule": "ql3.application.tasks",
     "TaskDefinition": "ql3.application.tasks",
     "TaskRegistry": "ql3.application.tasks",
     "UnknownTask": "ql3.application.tasks",
+    "UnknownWorkflow": "ql3.application.workflows",
     "InvalidTaskLimit": "ql3.domain.dispatch",
     "TaskLimit": "ql3.domain.dispatch",
     "DomainError": "ql3.domain.errors",
@@ -57,6 +70,10 @@ _EXPORTS: dict[str, str] = {
     "InvalidAdmission": "ql3.domain.errors",
     "InvalidRetryPolicy": "ql3.domain.errors",
     "InvalidTransition": "ql3.domain.errors",
+    "InvalidWorkflow": "ql3.domain.errors",
+    "MAX_PARENT_OUTPUTS_BYTES": "ql3.domain.step_input",
+    "StepInputTooLarge": "ql3.domain.workflows",
+    "StepStatus": "ql3.domain.workflows",
     "MAX_PRIORITY": "ql3.domain.model",
     "MIN_PRIORITY": "ql3.domain.model",
     "RunStatus": "ql3.domain.model",
@@ -71,9 +88,13 @@ _EXPORTS: dict[str, str] = {
     "Submitted": "ql3.runtime",
     "UnsupportedTransaction": "ql3.runtime",
     "WaitTimeout": "ql3.runtime",
+    "StepInfo": "ql3.workflows",
+    "Workflow": "ql3.workflows",
+    "WorkflowInfo": "ql3.workflows",
 }
 
 __all__ = [
+    "MAX_PARENT_OUTPUTS_BYTES",
     "MAX_PRIORITY",
     "MIN_PRIORITY",
     "Backoff",
@@ -87,13 +108,18 @@ __all__ = [
     "InvalidRetryPolicy",
     "InvalidTaskLimit",
     "InvalidTransition",
+    "InvalidWorkflow",
     "PruneReport",
     "RetryPolicy",
     "RunInfo",
     "RunStatus",
     "Runtime",
     "Safety",
+    "Schedule",
     "StandaloneRuntime",
+    "StepInfo",
+    "StepInputTooLarge",
+    "StepStatus",
     "Submission",
     "Submitted",
     "TaskContext",
@@ -102,8 +128,11 @@ __all__ = [
     "TaskRegistry",
     "UnknownRun",
     "UnknownTask",
+    "UnknownWorkflow",
     "UnsupportedTransaction",
     "WaitTimeout",
+    "Workflow",
+    "WorkflowInfo",
     "__version__",
     "cluster",
     "edge",

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from typing import Any
 
-from ql3.application.admission import Admission
 from ql3.application.tasks import TaskRegistry
 from ql3.bootstrap.producer import Producer, open_postgres_store, open_sqlite_store
 from ql3.runtime import FinishSignal, Notified, Runtime, UnsupportedTransaction
@@ -41,14 +41,21 @@ class ClusterRuntime(Runtime):
         self._finished: Notified | None = None
         self._finished_listener: Any = None
 
-    def _admission_in(self, transaction: object) -> Admission:
+    def _unit_of_work_in(self, transaction: object, *, workflow: bool) -> Callable[[], Any]:
         from ql3.adapters.postgres import caller_transaction
 
         try:
             unit_of_work = caller_transaction.caller_unit_of_work(self.store, transaction)
         except caller_transaction.UnsupportedTransaction as error:
             raise UnsupportedTransaction(str(error)) from None
-        return self._producer.admission_in(lambda: unit_of_work)
+        if workflow and isinstance(unit_of_work, caller_transaction.CallerPsycopgUnitOfWork):
+            # A workflow's steps are written by the SQL store's statements, which need a
+            # SQLAlchemy connection; one around the caller's would roll it back on release.
+            raise UnsupportedTransaction(
+                "a workflow is written in a SQLAlchemy Connection or Session, "
+                "not in a bare psycopg connection"
+            )
+        return lambda: unit_of_work
 
     def _finish_signal(self) -> FinishSignal:
         """Woken by ``NOTIFY ql3_run_finished`` on one LISTEN connection of this runtime,

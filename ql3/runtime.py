@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ql3.application.admission import (
     Admission,
@@ -38,8 +39,17 @@ from ql3.domain.dispatch import TaskLimit
 from ql3.domain.errors import Error, InvalidAdmission
 from ql3.domain.model import JsonValue, Run, RunStatus
 from ql3.domain.policy import RetryPolicy
+from ql3.workflows import Workflow
+
+if TYPE_CHECKING:
+    # Loaded when a workflow is first used: a submit imports neither (ADR 0009).
+    from ql3.application.workflows import Workflows
+    from ql3.domain.workflows import WorkflowSpec
+    from ql3.workflows import WorkflowInfo
 
 Task = str | Callable[..., Any]
+
+log = logging.getLogger("ql3")
 
 # How long a wait sleeps between two reads where no notification wakes it: growing from the
 # first to the last value.
@@ -288,9 +298,105 @@ class Runtime:
         return await asyncio.to_thread(self.submit_many, items)
 
     def _admission_in(self, transaction: object) -> Admission:
+        return self._producer.admission_in(self._unit_of_work_in(transaction, workflow=False))
+
+    def _unit_of_work_in(self, transaction: object, *, workflow: bool) -> Callable[[], Any]:
+        """A unit of work factory writing in the caller's ``transaction`` (a workflow needs
+        more of it than an admission of runs)."""
         raise UnsupportedTransaction(
             f"the {self.profile} runtime does not write in a caller's transaction"
         )
+
+    # --- workflows --------------------------------------------------------------------------------
+
+    def workflow_spec(self, workflow: Workflow | WorkflowSpec) -> WorkflowSpec:
+        """The domain's workflow of ``workflow``, validated: each step's task checked against the
+        registry (when the runtime has one), its input checked as JSON, its policy and timeout
+        the ones given or else the task's."""
+        from ql3.domain.workflows import WorkflowSpec
+
+        if isinstance(workflow, WorkflowSpec):
+            return workflow
+        if not isinstance(workflow, Workflow):
+            raise InvalidAdmission("submit_workflow takes a ql3.Workflow")
+
+        def resolve(
+            task: Task, payload: object, policy: RetryPolicy | None, timeout: float | None
+        ) -> tuple[str, JsonValue, RetryPolicy | None, int | None]:
+            request = self.request(Submission(task, payload, policy, timeout))
+            return request.task, request.input, request.policy, request.timeout_ms
+
+        return workflow.spec(resolve)
+
+    def submit_workflow(
+        self,
+        workflow: Workflow | WorkflowSpec,
+        *,
+        unique_key: str | None = None,
+        transaction: object | None = None,
+    ) -> str:
+        """Admit a workflow and return the id of its aggregate run; its first steps are admitted
+        by the next cycle's workflow frontier. Refused (``InvalidWorkflow``, ``UnknownTask``,
+        ``InvalidInput``) before anything is written. With ``transaction`` it is written in the
+        caller's transaction, as :meth:`submit`; with ``unique_key`` an unfinished workflow (or
+        run) holding the key answers instead and nothing is written."""
+        from ql3.application.workflows import Workflows
+
+        spec = self.workflow_spec(workflow)
+        uow_factory = (
+            self.store.unit_of_work
+            if transaction is None
+            else self._unit_of_work_in(transaction, workflow=True)
+        )
+        workflows = Workflows(uow_factory, self._producer.identities)
+        return workflows.admit(spec, unique_key=unique_key).run_id
+
+    async def asubmit_workflow(
+        self, workflow: Workflow | WorkflowSpec, *, unique_key: str | None = None
+    ) -> str:
+        """:meth:`submit_workflow` for asyncio code."""
+        return await asyncio.to_thread(self.submit_workflow, workflow, unique_key=unique_key)
+
+    @property
+    def _workflows(self) -> Workflows:
+        from ql3.application.workflows import Workflows
+
+        return Workflows(self.store.unit_of_work, self._producer.identities)
+
+    def get_workflow(self, workflow_id: str) -> WorkflowInfo:
+        """The workflow's status, output and error, and each step's status, run id, attempts,
+        output and error; ``UnknownWorkflow`` when there is no workflow of that id."""
+        from ql3.workflows import WorkflowInfo
+
+        return WorkflowInfo.of(self._workflows.get(workflow_id))
+
+    async def aget_workflow(self, workflow_id: str) -> WorkflowInfo:
+        return await asyncio.to_thread(self.get_workflow, workflow_id)
+
+    def list_workflows(self, status: RunStatus | None = None, limit: int = 100) -> list[RunInfo]:
+        """The workflows' aggregate runs (of ``status``), the most recent first."""
+        return [RunInfo.of(run) for run in self._workflows.list_workflows(status, limit)]
+
+    def wait_workflow(self, workflow_id: str, timeout: float = 30.0) -> WorkflowInfo:
+        """Block until the workflow succeeded, failed or was cancelled and return it, as
+        :meth:`wait` waits for a run; ``WaitTimeout`` after ``timeout`` seconds."""
+        self.get_workflow(workflow_id)  # UnknownWorkflow before any wait
+        self.wait(workflow_id, timeout)
+        return self.get_workflow(workflow_id)
+
+    async def await_workflow(self, workflow_id: str, timeout: float = 30.0) -> WorkflowInfo:
+        """:meth:`wait_workflow` for asyncio code."""
+        return await asyncio.to_thread(self.wait_workflow, workflow_id, timeout)
+
+    def cancel_workflow(self, workflow_id: str, reason: str = "cancelled") -> RunStatus:
+        """Cancel an unfinished workflow at once and return the status it had: every step
+        that has not finished is cancelled with its run; a running step's worker is refused at
+        its next call and stops the task, as for :meth:`cancel`. A finished workflow raises
+        ``InvalidTransition`` and nothing changes; an unknown one ``UnknownWorkflow``."""
+        return self._workflows.cancel(workflow_id, reason)
+
+    async def acancel_workflow(self, workflow_id: str, reason: str = "cancelled") -> RunStatus:
+        return await asyncio.to_thread(self.cancel_workflow, workflow_id, reason)
 
     # --- reading ----------------------------------------------------------------------------------
 
@@ -387,9 +493,49 @@ class Runtime:
 
     # --- lifecycle --------------------------------------------------------------------------------
 
+    def declare_schedules(self) -> Any:
+        """Record the schedules declared with the tasks as the triggers ``code:NAME`` (created,
+        or made to match the declaration and active) and pause every other ``code:`` trigger,
+        which the code no longer declares; an operator's triggers are left alone. What
+        :meth:`start` does first; returns what changed (``created``, ``updated``, ``paused``)."""
+        from ql3.adapters.cron import CroniterCalendar
+        from ql3.application.triggers import TriggerDefinition, Triggers
+        from ql3.domain.triggers import DECLARED_PREFIX
+
+        if self._tasks is None:
+            raise RuntimeError("declaring schedules needs the runtime's task registry")
+        definitions = [
+            TriggerDefinition(
+                name=DECLARED_PREFIX + schedule.name,
+                task=schedule.task,
+                input=schedule.input,
+                policy=schedule.policy,
+                every_ms=schedule.every_ms,
+                cron=schedule.cron,
+                catch_up=schedule.catch_up,
+                catch_up_limit=schedule.catch_up_limit,
+            )
+            for schedule in self._tasks.schedules()
+        ]
+        triggers = Triggers(self.store.unit_of_work, self._producer.identities, CroniterCalendar())
+        declared = triggers.declare(definitions)
+        for name in declared.created:
+            log.info("schedule %s: trigger created", name)
+        for name in declared.updated:
+            log.info("schedule %s: trigger updated to its declaration", name)
+        for name in declared.paused:
+            log.warning(
+                "trigger %s is no longer declared in code: paused (ql3 triggers delete %s "
+                "removes it)",
+                name,
+                name,
+            )
+        return declared
+
     def start(self) -> None:
         """Start the profile's work in this process (idempotent; once per runtime). The limits
-        declared with the tasks (``@tasks.task(limit=N)``) are recorded first."""
+        and schedules declared with the tasks (``@tasks.task(limit=N, schedule=...)``,
+        ``tasks.schedule(...)``) are recorded first."""
         with self._lock:
             if self._closed or self._stopped:
                 raise RuntimeError("a stopped or closed runtime cannot start again: build one")
@@ -397,6 +543,7 @@ class Runtime:
                 return
             if self._tasks is not None:
                 self._limits.declare(self._tasks.limits())
+                self.declare_schedules()
             self._start()
             self._started = True
 

@@ -36,13 +36,13 @@ from ql3.adapters.execution.app import run_awaitable
 from ql3.adapters.memory import FakeClock, MemoryStore
 from ql3.adapters.memory.clock import DEFAULT_START_MS
 from ql3.adapters.standalone.pool import execute_grant
-from ql3.application.admission import Admission
 from ql3.application.ports import UnitOfWork
 from ql3.application.tasks import TaskRegistry
 from ql3.application.worker_commands import Completion, Grant, SessionGrant, WorkerCommands
 from ql3.bootstrap.producer import Producer
 from ql3.domain.model import JsonValue, RunStatus
 from ql3.domain.transitions import Change
+from ql3.domain.workflows import WorkflowStep
 from ql3.runtime import RunInfo, Runtime, UnsupportedTransaction, WaitTimeout
 
 INLINE_WORKER_ID = "inline"
@@ -175,6 +175,8 @@ class InMemoryRuntime(Runtime):
         self._worker = InlineWorker(
             container.core.worker_commands(), container.coordinator().run_cycle, tasks
         )
+        if tasks.schedules():
+            self.declare_schedules()  # their triggers fire as advance() makes them due
 
     def advance(self, seconds: float) -> int:
         """Move the store's clock forward; returns its new time in epoch milliseconds."""
@@ -202,10 +204,10 @@ class InMemoryRuntime(Runtime):
         view = self._producer.queries.show(run_id)
         return [kind for _seq, kind, _at, _attempt, _data in view.events] if view else []
 
-    def _admission_in(self, transaction: object) -> Admission:
-        """Runs admitted in a SQLAlchemy ``Session`` or ``Connection`` of the application's own
-        database reach the memory store when that transaction commits, and never when it rolls
-        back (the memory store cannot join it, so it follows it)."""
+    def _unit_of_work_in(self, transaction: object, *, workflow: bool) -> Callable[[], Any]:
+        """Runs and workflows admitted in a SQLAlchemy ``Session`` or ``Connection`` of the
+        application's own database reach the memory store when that transaction commits, and
+        never when it rolls back (the memory store cannot join it, so it follows it)."""
         store = cast(MemoryStore, self.store)
         # One pending admission per transaction (and runtime): a unique key admitted earlier in
         # the same transaction is held for the later submits of it.
@@ -218,6 +220,7 @@ class InMemoryRuntime(Runtime):
             def committed() -> None:
                 with store.unit_of_work() as uow:
                     uow.runs.add_many(fresh.changes)
+                    uow.workflows.add_steps(fresh.steps)
                     uow.commit()
 
             def settled() -> None:
@@ -229,7 +232,7 @@ class InMemoryRuntime(Runtime):
                 info[slot] = fresh
             pending = fresh
         chosen: _PendingAdmission = pending
-        return self._producer.admission_in(lambda: chosen)
+        return lambda: chosen
 
     def _start(self) -> None:
         return None
@@ -250,13 +253,24 @@ class _PendingAdmission:
     clock: FakeClock
     store: MemoryStore
     changes: list[Change] = field(default_factory=list)
+    steps: list[WorkflowStep] = field(default_factory=list)
 
     @property
     def runs(self) -> _PendingAdmission:
         return self
 
-    def add_many(self, changes: list[Change]) -> None:
+    @property
+    def workflows(self) -> _PendingAdmission:
+        return self
+
+    def add_many(self, changes: Sequence[Change]) -> None:
         self.changes.extend(changes)
+
+    def add(self, change: Change) -> None:
+        self.changes.append(change)
+
+    def add_steps(self, steps: Sequence[WorkflowStep]) -> None:
+        self.steps.extend(steps)
 
     def unfinished_with_keys(self, keys: Sequence[str]) -> Mapping[str, str]:
         """The keys held in the store now, and by the runs admitted in this transaction."""

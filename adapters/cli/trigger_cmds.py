@@ -1,6 +1,6 @@
-"""``ql3 triggers ...`` (Runs admitted on a schedule) and ``ql3 workflows submit`` (a DAG of
-steps). Errors follow the command line's rules: one line on stderr, exit 2 for bad input, 1 for
-not found or failure, nothing written."""
+"""``ql3 triggers ...`` (Runs admitted on a schedule) and ``ql3 workflows ...`` (a DAG of
+steps: submit, list, show, cancel). Errors follow the command line's rules: one line on
+stderr, exit 2 for bad input, 1 for not found or failure, nothing written."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Any
 import click
 
 from ql3.application.triggers import TriggerDefinition, UnknownTrigger
-from ql3.domain.model import JsonValue
+from ql3.domain.model import JsonValue, RunStatus
 from ql3.domain.policy import Backoff, RetryPolicy, Safety, policy_to_document
 from ql3.domain.triggers import DEFAULT_CATCH_UP_LIMIT, MAX_CATCH_UP_LIMIT, CatchUp, Trigger
 
@@ -247,7 +247,8 @@ def workflows() -> None:
 @json_option
 def submit(file: Path, database_url: str | None, as_json: bool) -> None:
     """Admit the workflow in FILE.json: {"name": ..., "steps": [{"id", "task", "input",
-    "after": [step ids], "policy": {...}}]}. A refused DAG writes nothing."""
+    "after": [step ids], "policy": {...}}]}. A step's task receives the outputs of the steps
+    it comes after as context.parents (ADR 0021). A refused DAG writes nothing."""
     try:
         document = json.loads(file.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError) as error:
@@ -262,3 +263,155 @@ def submit(file: Path, database_url: str | None, as_json: bool) -> None:
     with _container(database_url) as container:
         run_id = container.core.workflows().submit(spec)
     _emit(as_json, {"run_id": run_id, "steps": len(spec.steps)}, run_id)
+
+
+def _workflow_service(container: Any) -> Any:
+    return container.core.workflows()
+
+
+def _unknown_workflow(workflow_id: str) -> Exception:
+    from ql3.adapters.cli.main import Failure
+
+    return Failure(f"not found: workflow {workflow_id}")
+
+
+@workflows.command("list")
+@click.option(
+    "--status",
+    type=click.Choice([s.value for s in RunStatus]),
+    default=None,
+    help="Only the workflows in this status.",
+)
+@click.option("--limit", type=click.IntRange(1, 1000), default=100, show_default=True)
+@database_option
+@json_option
+def list_workflows(status: str | None, limit: int, database_url: str | None, as_json: bool) -> None:
+    """List workflows, the most recent first."""
+    with _container(database_url) as container:
+        found = _workflow_service(container).list_workflows(
+            RunStatus(status) if status else None, limit
+        )
+    rows = [
+        {
+            "run_id": run.id,
+            "name": run.task,
+            "status": run.status.value,
+            "steps": len(run.input["steps"]) if isinstance(run.input, dict) else None,
+            "created_at": _iso(run.created_at_ms),
+            "error": run.error,
+        }
+        for run in found
+    ]
+    text = "\n".join(
+        f"{r['run_id']}  {r['status']:<9} {r['name']}  {r['steps']} steps  {r['created_at']}"
+        + (f"  {r['error']}" if r["error"] else "")
+        for r in rows
+    )
+    _emit(as_json, {"workflows": rows}, text or "no workflows")
+
+
+def workflow_document(view: Any) -> dict[str, JsonValue]:
+    run = view.run
+    return {
+        "run_id": run.id,
+        "name": run.task,
+        "status": run.status.value,
+        "error": run.error,
+        "output": run.output,
+        "created_at": _iso(run.created_at_ms),
+        "steps": [
+            {
+                "id": v.step.step_id,
+                "task": v.step.task,
+                "after": list(v.step.after),
+                "status": v.step.status.value,
+                "run_id": v.step.run_id,
+                "run_status": v.run.status.value if v.run is not None else None,
+                "attempts": v.run.attempt_count if v.run is not None else 0,
+                "output": v.run.output if v.run is not None else None,
+                "error": v.run.error if v.run is not None else None,
+            }
+            for v in view.steps
+        ],
+    }
+
+
+def _tree(document: dict[str, Any]) -> str:
+    """The steps as an indented tree: each under the first step it comes after (declaration
+    order), the others it waits for named beside it."""
+    steps = document["steps"]
+    children: dict[str | None, list[dict[str, Any]]] = {}
+    for step in steps:
+        children.setdefault(step["after"][0] if step["after"] else None, []).append(step)
+    lines = [
+        f"workflow {document['run_id']}  {document['name']}  {document['status']}"
+        + (f"  {document['error']}" if document["error"] else "")
+    ]
+
+    def walk(parent: str | None, depth: int) -> None:
+        for step in children.get(parent, []):
+            also = step["after"][1:]
+            run = (
+                f"run {step['run_id']} {step['run_status']}, {step['attempts']} attempt(s)"
+                if step["run_id"]
+                else "no run yet" if step["status"] == "pending" else "no run"
+            )
+            lines.append(
+                f"{'  ' * depth}- {step['id']}  {step['status']:<9} task {step['task']}  {run}"
+                + (f"  (also after {', '.join(also)})" if also else "")
+                + (f"  error: {step['error']}" if step["error"] else "")
+            )
+            walk(step["id"], depth + 1)
+
+    walk(None, 1)
+    return "\n".join(lines)
+
+
+@workflows.command("show")
+@click.argument("workflow_id")
+@database_option
+@json_option
+def show(workflow_id: str, database_url: str | None, as_json: bool) -> None:
+    """Show a workflow: its status and each step's, as an indented tree."""
+    from ql3.application.workflows import UnknownWorkflow
+
+    with _container(database_url) as container:
+        try:
+            view = _workflow_service(container).get(workflow_id)
+        except UnknownWorkflow:
+            raise _unknown_workflow(workflow_id) from None
+    document = workflow_document(view)
+    _emit(as_json, document, _tree(document))
+
+
+@workflows.command("cancel")
+@click.argument("workflow_id")
+@click.option(
+    "--reason", default="cancelled by operator", show_default=True, help="Why (kept as error)."
+)
+@database_option
+@json_option
+def cancel(workflow_id: str, reason: str, database_url: str | None, as_json: bool) -> None:
+    """Cancel a workflow now: every step not finished is cancelled with its run; a running
+    step's task is stopped by its worker at its next call to the node (ADR 0017)."""
+    from ql3.adapters.cli.main import Failure
+    from ql3.application.workflows import UnknownWorkflow
+    from ql3.domain.errors import InvalidTransition
+    from ql3.domain.transitions import MAX_CANCEL_REASON_LENGTH
+
+    if not reason.strip() or len(reason) > MAX_CANCEL_REASON_LENGTH or "\x00" in reason:
+        raise click.UsageError(
+            f"--reason must be 1..{MAX_CANCEL_REASON_LENGTH} characters, without NUL"
+        )
+    with _container(database_url) as container:
+        try:
+            was = _workflow_service(container).cancel(workflow_id, reason)
+        except UnknownWorkflow:
+            raise _unknown_workflow(workflow_id) from None
+        except InvalidTransition as refused:
+            raise Failure(
+                f"workflow {workflow_id} is {refused.status}: a finished workflow cannot be "
+                "cancelled; nothing changed"
+            ) from None
+    document = {"run_id": workflow_id, "status": RunStatus.CANCELLED.value, "was": was.value}
+    _emit(as_json, document, f"cancelled workflow {workflow_id} (was {was.value})")

@@ -7,8 +7,10 @@ import inspect
 import json
 import threading
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
+
+from ql3.domain import step_input
 
 # asyncio is imported when an ``async def`` task runs: a slot's child process loads this module
 # at start-up, and most task mappings never need an event loop.
@@ -25,11 +27,16 @@ class TaskContext:
     """What a task may learn about the attempt running it.
 
     ``idempotency_key`` is the same for every attempt of one run, so a task can hand it to an
-    external system that deduplicates requests."""
+    external system that deduplicates requests. A workflow step that comes after other steps
+    also learns its workflow, its step id and ``parents``: each parent step's output by step id,
+    fixed when its run was admitted (the same for every attempt, ADR 0021); empty otherwise."""
 
     run_id: str
     attempt_number: int
     idempotency_key: str
+    parents: Mapping[str, Any] = field(default_factory=dict)
+    workflow_run_id: str | None = None
+    step_id: str | None = None
 
 
 def load_app(spec: str) -> dict[str, Callable[..., Any]]:
@@ -99,8 +106,19 @@ def invoke_task(
     An ``async def`` task runs to its end on an event loop: ``run`` (the awaitable's runner;
     :func:`run_awaitable` by default).
 
+    A workflow step's input snapshot is unwrapped first: the task gets the step's own input,
+    ``context`` its parents' outputs (:mod:`ql3.domain.step_input`).
+
     Any exception, including a result that is not JSON, propagates: the caller fails the
     attempt with it."""
+    payload, step = step_input.split(payload)
+    if step is not None:
+        context = replace(
+            context,
+            parents=step["parents"],
+            workflow_run_id=step.get("workflow_run_id"),
+            step_id=step.get("step"),
+        )
     result = fn(payload, context=context) if _accepts_context(fn) else fn(payload)
     if inspect.isawaitable(result):
         result = (run or run_awaitable)(result)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from ql3.application.ports import DueTrigger, Page, RunCandidate, SessionCapacity, Snapshot
 from ql3.domain.errors import ConcurrencyConflict
 from ql3.domain.guards import CLAIMABLE_RUN, holds
-from ql3.domain.model import LeaseStatus, RunOwner
+from ql3.domain.model import LeaseStatus, Run, RunOwner, RunStatus
 from ql3.domain.triggers import Trigger, TriggerFiring, TriggerStatus
 from ql3.domain.workflows import StepStatus, WorkflowStep, needs_frontier
 
@@ -162,6 +162,15 @@ class MemoryWorkflowRepository:
         writable.workflow_steps[before.workflow_run_id] = tuple(
             after if s.step_id == before.step_id else s for s in steps
         )
+
+    def list_workflows(self, status: RunStatus | None, limit: int) -> Sequence[Run]:
+        found = [
+            run
+            for run in self._uow.read().runs.values()
+            if run.owner is RunOwner.WORKFLOW and (status is None or run.status is status)
+        ]
+        found.sort(key=lambda r: (r.created_at_ms, r.id), reverse=True)
+        return tuple(found[:limit])
 
     def step_of_run(self, run_id: str) -> WorkflowStep | None:
         state = self._uow.read()

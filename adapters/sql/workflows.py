@@ -22,11 +22,11 @@ from sqlalchemy import (
     update,
 )
 
-from ql3.adapters.sql.rows import Row, Values
+from ql3.adapters.sql.rows import Row, Values, run_from_row
 from ql3.adapters.sql.schema import runs, workflow_steps
 from ql3.adapters.sql.transaction import SqlTransaction
 from ql3.adapters.sql.triggers import policy_document
-from ql3.domain.model import TERMINAL_RUN_STATUSES, RunOwner, RunStatus
+from ql3.domain.model import TERMINAL_RUN_STATUSES, Run, RunOwner, RunStatus
 from ql3.domain.policy import policy_from_document
 from ql3.domain.workflows import NOT_STARTED_RUN_STATUSES, StepStatus, WorkflowStep
 
@@ -110,6 +110,14 @@ def update_step(before: WorkflowStep, after: WorkflowStep) -> Update:
 
 def step_of_run(run_id: str) -> Select:
     return select(workflow_steps).where(workflow_steps.c.run_id == run_id)
+
+
+def list_workflows(status: RunStatus | None, limit: int) -> Select:
+    """Workflow aggregate Runs, the most recently admitted first (an operator's listing)."""
+    statement = select(runs).where(runs.c.owner == _const(RunOwner.WORKFLOW.value))
+    if status is not None:
+        statement = statement.where(runs.c.status == status.value)
+    return statement.order_by(runs.c.created_at.desc(), runs.c.id.desc()).limit(limit)
 
 
 def workflow_candidates_query(limit: int, now: ColumnElement[int]) -> Select:
@@ -197,3 +205,7 @@ class SqlWorkflowRepository:
     def step_of_run(self, run_id: str) -> WorkflowStep | None:
         row = self._tx.execute(step_of_run(run_id)).mappings().first()
         return None if row is None else step_from_row(row)
+
+    def list_workflows(self, status: RunStatus | None, limit: int) -> Sequence[Run]:
+        result = self._tx.execute(list_workflows(status, limit)).mappings()
+        return tuple(run_from_row(row) for row in result)

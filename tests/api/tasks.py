@@ -36,3 +36,9 @@ def explode(payload: Any) -> None:
 async def double_async(payload: int) -> int:
     await asyncio.sleep(0)
     return payload * 2
+
+
+@TASKS.task
+def gather(payload: Any, context: Any) -> dict[str, Any]:
+    """A workflow step: what it received, its own input and its parents' outputs."""
+    return {"input": payload, "parents": dict(context.parents), "step": context.step_id}

@@ -67,5 +67,5 @@ def test_declarations_are_checked_when_made() -> None:
 
 def test_a_registry_is_the_task_mapping_every_executor_loads() -> None:
     loaded = load_app("tests.api.tasks:TASKS")
-    assert sorted(loaded) == ["charge", "double", "echo", "explode", "resize"]
+    assert sorted(loaded) == ["charge", "double", "echo", "explode", "gather", "resize"]
     assert loaded["double"] is double_async

@@ -60,8 +60,15 @@ def big(payload: Any, context: TaskContext) -> Any:
     return "x" * payload["bytes"]
 
 
+def gather(payload: Any, context: TaskContext) -> Any:
+    """A workflow step: its own input, and the outputs of the steps it comes after."""
+    _ledger("gather", context, step=context.step_id, parents=dict(context.parents))
+    return {"input": payload, "parents": dict(context.parents)}
+
+
 TASKS = {
     "e2e.big": big,
+    "e2e.gather": gather,
     "e2e.double": double,
     "e2e.sleep": sleep,
     "e2e.fail": fail,

@@ -6,6 +6,8 @@ with nothing written."""
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -14,7 +16,6 @@ from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.pool import NullPool
 
-from ql3.adapters.cli.main import main
 from ql3.adapters.postgres.migrate import (
     MIGRATIONS,
     UnknownRevision,
@@ -129,16 +130,17 @@ def test_a_database_made_before_the_baseline_is_refused_and_left_alone(
         assert connection.execute(text(CHECK)).scalar_one() == 0
 
 
-def test_ql3_db_upgrade_refuses_it_with_a_message_and_exit_1(
-    fresh: tuple[str, Engine], capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_ql3_db_upgrade_refuses_it_with_a_message_and_exit_1(fresh: tuple[str, Engine]) -> None:
     url, engine = fresh
     upgrade(url, BASELINE)
     with engine.begin() as connection:
         connection.execute(text("UPDATE alembic_version SET version_num = '0013_prune_index'"))
-    code = main(["db", "upgrade", "--database-url", url])
-    out, err = capsys.readouterr()
-    assert code == 1
+    done = subprocess.run(
+        [sys.executable, "-m", "ql3", "db", "upgrade", "--database-url", url],
+        capture_output=True, text=True, timeout=120, check=False,
+    )
+    out, err = done.stdout, done.stderr
+    assert done.returncode == 1
     assert "0013_prune_index" in err and "must be recreated" in err
     assert "Traceback" not in err + out
     assert current_revision(url) == "0013_prune_index"
