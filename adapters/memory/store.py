@@ -24,10 +24,18 @@ from typing import TYPE_CHECKING
 from attrs import evolve
 
 from ql3.adapters.batches import OneAtATime
-from ql3.adapters.memory import scheduling
+from ql3.adapters.memory import browse, scheduling
 from ql3.adapters.memory.clock import FakeClock
 from ql3.adapters.memory.credentials import MemoryCredentialRepository
 from ql3.adapters.memory.history import MemoryHistoryRepository
+from ql3.application.console import (
+    Count,
+    FinishedBucket,
+    RunCursor,
+    RunFilter,
+    RunOrder,
+    RunPage,
+)
 from ql3.application.ports import (
     HARD_PAGE_CAP,
     OPEN_GATE,
@@ -752,6 +760,40 @@ class MemoryStore:
                     )[:limit]
                 ),
             )
+
+    # RunBrowser: the console's reads (ADR 0020)
+
+    def _snapshot(self) -> tuple[_State, int]:
+        with self._lock:
+            return self._committed()
+
+    def browse_runs(
+        self, where: RunFilter, order: RunOrder, after: RunCursor | None, limit: int
+    ) -> RunPage:
+        state, now = self._snapshot()
+        return browse.browse(state.runs.values(), now, where, order, after, limit)
+
+    def count_runs(self, where: RunFilter, cap: int) -> Count:
+        state, _ = self._snapshot()
+        return browse.count(state.runs.values(), where, cap)
+
+    def finished_between(
+        self, since_ms: int, bucket_ms: int
+    ) -> tuple[int, Sequence[FinishedBucket]]:
+        state, now = self._snapshot()
+        return now, browse.buckets(state.runs.values(), since_ms, bucket_ms)
+
+    def finished_counts(self, since_ms: int) -> Mapping[tuple[str, str], int]:
+        state, _ = self._snapshot()
+        return browse.finished_counts(state.runs.values(), since_ms)
+
+    def task_durations(self, since_ms: int, limit: int) -> Mapping[str, Sequence[int]]:
+        state, _ = self._snapshot()
+
+        def attempts_of(run_id: str) -> Sequence[Attempt]:
+            return [state.attempts[i] for i in state.run_attempts.get(run_id, ())]
+
+        return browse.durations(state.runs.values(), attempts_of, since_ms, limit)
 
     # LostRetryCandidateSource
 

@@ -25,7 +25,7 @@ import re
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
@@ -916,6 +916,46 @@ class PostgresStore:
 
     def workflow_candidates(self, limit: int) -> Page[RunCandidate]:
         return workflow_pages.workflow_candidates(self, limit)
+
+    # RunBrowser: the console's reads (ADR 0020), each in a read-only snapshot
+
+    @cached_property
+    def _browser(self) -> Any:
+        from ql3.adapters.postgres import browse
+        from ql3.adapters.sql.browse import SqlRunBrowser
+
+        return SqlRunBrowser(
+            self._console_read,
+            queries.POSTGRES,
+            millis=browse.millis,
+            contains=browse.contains,
+            estimate=browse.estimate,
+        )
+
+    @contextmanager
+    def _console_read(self) -> Iterator[tuple[Connection, int]]:
+        with self.engine.connect() as connection:
+            connection.exec_driver_sql("SET TRANSACTION READ ONLY")
+            now = int(connection.execute(queries.now_statement(self._clock_offset_ms)).scalar_one())
+            try:
+                yield connection, now
+            finally:
+                connection.rollback()
+
+    def browse_runs(self, where: Any, order: Any, after: Any, limit: int) -> Any:
+        return self._browser.browse_runs(where, order, after, limit)
+
+    def count_runs(self, where: Any, cap: int) -> Any:
+        return self._browser.count_runs(where, cap)
+
+    def finished_between(self, since_ms: int, bucket_ms: int) -> Any:
+        return self._browser.finished_between(since_ms, bucket_ms)
+
+    def finished_counts(self, since_ms: int) -> Any:
+        return self._browser.finished_counts(since_ms)
+
+    def task_durations(self, since_ms: int, limit: int) -> Any:
+        return self._browser.task_durations(since_ms, limit)
 
 
 if TYPE_CHECKING:

@@ -43,7 +43,7 @@ import sqlite3
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -755,6 +755,37 @@ class SqliteStore:
                 limit=limit,
                 spelling=queries.SQLITE,
             )
+
+    # RunBrowser: the console's reads (ADR 0020), each in a read transaction
+
+    @cached_property
+    def _browser(self) -> Any:
+        from ql3.adapters.sql.browse import SqlRunBrowser
+        from ql3.adapters.sql.sqlite import browse
+
+        return SqlRunBrowser(
+            self._console_read, queries.SQLITE, millis=browse.millis, contains=browse.contains
+        )
+
+    @contextmanager
+    def _console_read(self) -> Iterator[tuple[Connection, int]]:
+        with self._transaction(read_only=True) as connection:
+            yield connection, self.now_ms()
+
+    def browse_runs(self, where: Any, order: Any, after: Any, limit: int) -> Any:
+        return self._browser.browse_runs(where, order, after, limit)
+
+    def count_runs(self, where: Any, cap: int) -> Any:
+        return self._browser.count_runs(where, cap)
+
+    def finished_between(self, since_ms: int, bucket_ms: int) -> Any:
+        return self._browser.finished_between(since_ms, bucket_ms)
+
+    def finished_counts(self, since_ms: int) -> Any:
+        return self._browser.finished_counts(since_ms)
+
+    def task_durations(self, since_ms: int, limit: int) -> Any:
+        return self._browser.task_durations(since_ms, limit)
 
     # due times: what an idle executing process may sleep until
 

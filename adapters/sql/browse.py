@@ -1,0 +1,237 @@
+"""The console's reads on both SQL stores (ADR 0020): the runs list by filter with keyset
+pagination, capped counts, and the finished history of a window.
+
+The list walks ``ix_runs_created_at`` (admission time, id) from the cursor, so a page costs
+its rows whatever the table holds; a count stops at its cap (PostgreSQL then asks its planner
+for an estimate). Finished history is read through ``ix_runs_finished`` (last change, id) from
+the window's start."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager
+from typing import Any
+
+from sqlalchemy import (
+    BigInteger,
+    ColumnElement,
+    Connection,
+    Select,
+    and_,
+    cast,
+    func,
+    literal,
+    or_,
+    select,
+)
+
+from ql3.adapters.sql import rows
+from ql3.adapters.sql.schema import run_attempts, runs
+from ql3.adapters.sql.statements import Spelling
+from ql3.application.console import (
+    Count,
+    FinishedBucket,
+    RunCursor,
+    RunFilter,
+    RunOrder,
+    RunPage,
+)
+from ql3.domain.model import TERMINAL_RUN_STATUSES, JsonValue, RunStatus
+
+Millis = Callable[[ColumnElement[Any]], ColumnElement[int]]
+Contains = Callable[[Mapping[str, JsonValue]], Sequence[ColumnElement[bool]]]
+
+
+def where_clauses(
+    where: RunFilter, spelling: Spelling, contains: Contains
+) -> list[ColumnElement[bool]]:
+    r = runs.c
+    clauses: list[ColumnElement[bool]] = []
+    if where.statuses:
+        clauses.append(spelling.one_of(r.status, where.statuses))
+    if where.task is not None:
+        clauses.append(r.task == where.task)
+    if where.unique_key is not None:
+        clauses.append(r.unique_key == where.unique_key)
+    if where.run_id is not None:
+        clauses.append(r.id == where.run_id)
+    if where.created_from_ms is not None:
+        clauses.append(r.created_at >= where.created_from_ms)
+    if where.created_to_ms is not None:
+        clauses.append(r.created_at <= where.created_to_ms)
+    if where.input_contains:
+        clauses.extend(contains(where.input_contains))
+    return clauses
+
+
+def browse_statement(
+    where: RunFilter,
+    order: RunOrder,
+    after: RunCursor | None,
+    limit: int,
+    spelling: Spelling,
+    contains: Contains,
+) -> Select:
+    r = runs.c
+    clauses = where_clauses(where, spelling, contains)
+    run_id = spelling.by_id(r.id)
+    if after is not None:
+        at, key = after.created_at_ms, after.run_id
+        if order is RunOrder.NEWEST:
+            clauses.append(or_(r.created_at < at, and_(r.created_at == at, run_id < key)))
+        else:
+            clauses.append(or_(r.created_at > at, and_(r.created_at == at, run_id > key)))
+    ordering = (
+        (r.created_at.desc(), run_id.desc()) if order is RunOrder.NEWEST else (r.created_at, run_id)
+    )
+    return select(runs).where(*clauses).order_by(*ordering).limit(limit + 1)
+
+
+def capped_count_statement(
+    where: RunFilter, cap: int, spelling: Spelling, contains: Contains
+) -> Select:
+    inner = (
+        select(literal(1).label("one"))
+        .select_from(runs)
+        .where(*where_clauses(where, spelling, contains))
+        .limit(cap + 1)
+        .subquery()
+    )
+    return select(func.count()).select_from(inner)
+
+
+def page_of(found: Sequence[rows.Row], limit: int, observed_at_ms: int) -> RunPage:
+    items = tuple(rows.run_from_row(row) for row in found[:limit])
+    cursor = None
+    if len(found) > limit and items:
+        last = items[-1]
+        cursor = RunCursor(created_at_ms=last.created_at_ms, run_id=last.id)
+    return RunPage(runs=items, next_cursor=cursor, observed_at_ms=observed_at_ms)
+
+
+def _finished_top_level(since_ms: int, spelling: Spelling) -> list[ColumnElement[bool]]:
+    """The predicate of ``ix_runs_finished``, from ``since_ms`` on."""
+    r = runs.c
+    return [
+        spelling.one_of(r.status, TERMINAL_RUN_STATUSES),
+        r.parent_run_id.is_(None),
+        r.updated_at >= since_ms,
+    ]
+
+
+def finished_buckets_statement(
+    since_ms: int, bucket_ms: int, spelling: Spelling, millis: Millis
+) -> Select:
+    r = runs.c
+    size = literal(bucket_ms, BigInteger())
+    bucket = cast((millis(r.updated_at) // size) * size, BigInteger()).label("bucket")
+    return (
+        select(bucket, r.status, func.count().label("n"))
+        .where(*_finished_top_level(since_ms, spelling))
+        .group_by(bucket, r.status)
+    )
+
+
+def finished_counts_statement(since_ms: int, spelling: Spelling) -> Select:
+    r = runs.c
+    return (
+        select(r.task, r.status, func.count().label("n"))
+        .where(*_finished_top_level(since_ms, spelling))
+        .group_by(r.task, r.status)
+    )
+
+
+def durations_statement(since_ms: int, limit: int, spelling: Spelling, millis: Millis) -> Select:
+    r, a = runs.c, run_attempts.c
+    recent = (
+        select(r.id, r.task)
+        .where(*_finished_top_level(since_ms, spelling))
+        .order_by(r.updated_at.desc())
+        .limit(limit)
+        .subquery()
+    )
+    return (
+        select(recent.c.task, (millis(a.finished_at) - millis(a.started_at)).label("ms"))
+        .select_from(recent.join(run_attempts, a.run_id == recent.c.id))
+        .where(a.started_at.is_not(None), a.finished_at.is_not(None))
+    )
+
+
+def buckets_from(found: Sequence[rows.Row]) -> list[FinishedBucket]:
+    by_start: dict[int, dict[str, int]] = {}
+    for row in found:
+        by_start.setdefault(int(row["bucket"]), {})[str(row["status"])] = int(row["n"])
+    return [
+        FinishedBucket(
+            start_ms=start,
+            succeeded=counts.get(RunStatus.SUCCEEDED.value, 0),
+            failed=counts.get(RunStatus.FAILED.value, 0),
+            cancelled=counts.get(RunStatus.CANCELLED.value, 0),
+        )
+        for start, counts in sorted(by_start.items())
+    ]
+
+
+class SqlRunBrowser:
+    """:class:`ql3.application.console.RunBrowser` over one store's read transactions.
+    ``read`` opens one and yields its connection and the store's clock."""
+
+    def __init__(
+        self,
+        read: Callable[[], AbstractContextManager[tuple[Connection, int]]],
+        spelling: Spelling,
+        millis: Millis,
+        contains: Contains,
+        estimate: Callable[[Connection, Select], int | None] | None = None,
+    ) -> None:
+        self._read = read
+        self._spelling = spelling
+        self._millis = millis
+        self._contains = contains
+        self._estimate = estimate
+
+    def _rows(self, statement: Select) -> Iterator[rows.Row]:
+        with self._read() as (connection, _now):
+            yield from connection.execute(statement).mappings().all()
+
+    def browse_runs(
+        self, where: RunFilter, order: RunOrder, after: RunCursor | None, limit: int
+    ) -> RunPage:
+        statement = browse_statement(where, order, after, limit, self._spelling, self._contains)
+        with self._read() as (connection, now):
+            found = connection.execute(statement).mappings().all()
+        return page_of(found, limit, now)
+
+    def count_runs(self, where: RunFilter, cap: int) -> Count:
+        statement = capped_count_statement(where, cap, self._spelling, self._contains)
+        with self._read() as (connection, _now):
+            value = int(connection.execute(statement).scalar_one())
+            if value <= cap:
+                return Count(value=value, exact=True)
+            if self._estimate is not None:
+                full = select(runs.c.id).where(
+                    *where_clauses(where, self._spelling, self._contains)
+                )
+                estimated = self._estimate(connection, full)
+                if estimated is not None and estimated > cap:
+                    return Count(value=estimated, exact=False, estimated=True)
+        return Count(value=cap, exact=False)
+
+    def finished_between(
+        self, since_ms: int, bucket_ms: int
+    ) -> tuple[int, Sequence[FinishedBucket]]:
+        statement = finished_buckets_statement(since_ms, bucket_ms, self._spelling, self._millis)
+        with self._read() as (connection, now):
+            found = connection.execute(statement).mappings().all()
+        return now, buckets_from(found)
+
+    def finished_counts(self, since_ms: int) -> Mapping[tuple[str, str], int]:
+        statement = finished_counts_statement(since_ms, self._spelling)
+        return {(str(r["task"]), str(r["status"])): int(r["n"]) for r in self._rows(statement)}
+
+    def task_durations(self, since_ms: int, limit: int) -> Mapping[str, Sequence[int]]:
+        statement = durations_statement(since_ms, limit, self._spelling, self._millis)
+        found: dict[str, list[int]] = {}
+        for row in self._rows(statement):
+            found.setdefault(str(row["task"]), []).append(max(0, int(row["ms"])))
+        return found
