@@ -61,6 +61,7 @@ class RunFilter:
     unique_key: str | None = None
     run_id: str | None = None
     input_contains: Mapping[str, JsonValue] | None = None
+    workflows: bool = False  # only workflow aggregates
 
     def __post_init__(self) -> None:
         for text in (self.task, self.unique_key, self.run_id):
@@ -144,6 +145,13 @@ class RunBrowser(Protocol):
 
     def finished_counts(self, since_ms: int) -> Mapping[tuple[str, str], int]:
         """(task, status) -> top-level Runs that finished since ``since_ms``."""
+
+    def last_event_sequence(self) -> int:
+        """The sequence of the last event appended (0 for none): it grows with every change."""
+
+    def runs_again_of(self, run_id: str, after_sequence: int) -> Sequence[str]:
+        """The Runs admitted as ``run_id`` run again, found among the events after the old
+        Run's last one (``after_sequence``); at most 20, oldest first."""
 
 
 def percentile(values: Sequence[int], fraction: float) -> int | None:

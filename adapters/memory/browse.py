@@ -13,7 +13,7 @@ from ql3.application.console import (
     RunOrder,
     RunPage,
 )
-from ql3.domain.model import TERMINAL_RUN_STATUSES, Attempt, Run, RunStatus
+from ql3.domain.model import TERMINAL_RUN_STATUSES, Attempt, Run, RunOwner, RunStatus
 
 
 def matches(run: Run, where: RunFilter) -> bool:
@@ -28,6 +28,8 @@ def matches(run: Run, where: RunFilter) -> bool:
     if where.created_from_ms is not None and run.created_at_ms < where.created_from_ms:
         return False
     if where.created_to_ms is not None and run.created_at_ms > where.created_to_ms:
+        return False
+    if where.workflows and run.owner is not RunOwner.WORKFLOW:
         return False
     if where.input_contains:
         document = run.input

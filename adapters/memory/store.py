@@ -65,6 +65,7 @@ from ql3.application.ports import (
 from ql3.domain.credentials import CredentialEvent, WorkerCredential
 from ql3.domain.dispatch import TaskLimit
 from ql3.domain.errors import ConcurrencyConflict
+from ql3.domain.events import EventType
 from ql3.domain.model import (
     Attempt,
     DispatchLease,
@@ -794,6 +795,22 @@ class MemoryStore:
             return [state.attempts[i] for i in state.run_attempts.get(run_id, ())]
 
         return browse.durations(state.runs.values(), attempts_of, since_ms, limit)
+
+    def last_event_sequence(self) -> int:
+        state, _ = self._snapshot()
+        return state.last_sequence
+
+    def runs_again_of(self, run_id: str, after_sequence: int) -> Sequence[str]:
+        state, _ = self._snapshot()
+        found = sorted(
+            (stored.sequence, stored.event.run_id)
+            for events in state.events.values()
+            for stored in events
+            if stored.sequence > after_sequence
+            and stored.event.type is EventType.RUN_ADMITTED
+            and stored.event.data.get("again_of") == run_id
+        )
+        return [found_id for _, found_id in found[:20]]
 
     # LostRetryCandidateSource
 

@@ -12,7 +12,7 @@ from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.expression import ClauseElement, Executable
 
-from ql3.adapters.sql.schema import runs
+from ql3.adapters.sql.schema import run_events, runs
 from ql3.domain.model import JsonValue
 
 
@@ -47,3 +47,7 @@ def estimate(connection: Connection, statement: Select) -> int | None:
         return int(plan[0]["Plan"]["Plan Rows"])
     except (KeyError, IndexError, TypeError, ValueError):
         return None
+
+
+def data_is(key: str, value: str) -> ColumnElement[bool]:
+    return run_events.c.data.op("->>")(key) == value

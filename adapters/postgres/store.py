@@ -929,6 +929,7 @@ class PostgresStore:
             queries.POSTGRES,
             millis=browse.millis,
             contains=browse.contains,
+            data_is=browse.data_is,
             estimate=browse.estimate,
         )
 
@@ -956,6 +957,12 @@ class PostgresStore:
 
     def task_durations(self, since_ms: int, limit: int) -> Any:
         return self._browser.task_durations(since_ms, limit)
+
+    def last_event_sequence(self) -> int:
+        return int(self._browser.last_event_sequence())
+
+    def runs_again_of(self, run_id: str, after_sequence: int) -> Any:
+        return self._browser.runs_again_of(run_id, after_sequence)
 
 
 if TYPE_CHECKING:

@@ -26,7 +26,7 @@ from sqlalchemy import (
 )
 
 from ql3.adapters.sql import rows
-from ql3.adapters.sql.schema import run_attempts, runs
+from ql3.adapters.sql.schema import run_attempts, run_events, runs
 from ql3.adapters.sql.statements import Spelling
 from ql3.application.console import (
     Count,
@@ -36,10 +36,13 @@ from ql3.application.console import (
     RunOrder,
     RunPage,
 )
-from ql3.domain.model import TERMINAL_RUN_STATUSES, JsonValue, RunStatus
+from ql3.domain.model import TERMINAL_RUN_STATUSES, JsonValue, RunOwner, RunStatus
 
 Millis = Callable[[ColumnElement[Any]], ColumnElement[int]]
 Contains = Callable[[Mapping[str, JsonValue]], Sequence[ColumnElement[bool]]]
+# The event's data holds this text under this key.
+DataIs = Callable[[str, str], ColumnElement[bool]]
+AGAIN_LIMIT = 20
 
 
 def where_clauses(
@@ -61,6 +64,8 @@ def where_clauses(
         clauses.append(r.created_at <= where.created_to_ms)
     if where.input_contains:
         clauses.extend(contains(where.input_contains))
+    if where.workflows:
+        clauses.append(r.owner == RunOwner.WORKFLOW.value)
     return clauses
 
 
@@ -157,6 +162,18 @@ def durations_statement(since_ms: int, limit: int, spelling: Spelling, millis: M
     )
 
 
+def again_statement(run_id: str, after_sequence: int, data_is: DataIs) -> Select:
+    """The Runs admitted as ``run_id`` run again: their admission events come after the old
+    Run's last event, so the primary key is walked from there."""
+    e = run_events.c
+    return (
+        select(e.run_id)
+        .where(e.id > after_sequence, e.type == "run_admitted", data_is("again_of", run_id))
+        .order_by(e.id)
+        .limit(AGAIN_LIMIT)
+    )
+
+
 def buckets_from(found: Sequence[rows.Row]) -> list[FinishedBucket]:
     by_start: dict[int, dict[str, int]] = {}
     for row in found:
@@ -182,8 +199,10 @@ class SqlRunBrowser:
         spelling: Spelling,
         millis: Millis,
         contains: Contains,
+        data_is: DataIs,
         estimate: Callable[[Connection, Select], int | None] | None = None,
     ) -> None:
+        self._data_is = data_is
         self._read = read
         self._spelling = spelling
         self._millis = millis
@@ -235,3 +254,12 @@ class SqlRunBrowser:
         for row in self._rows(statement):
             found.setdefault(str(row["task"]), []).append(max(0, int(row["ms"])))
         return found
+
+    def runs_again_of(self, run_id: str, after_sequence: int) -> Sequence[str]:
+        statement = again_statement(run_id, after_sequence, self._data_is)
+        return [str(row["run_id"]) for row in self._rows(statement)]
+
+    def last_event_sequence(self) -> int:
+        with self._read() as (connection, _now):
+            found = connection.execute(select(func.max(run_events.c.id))).scalar()
+        return int(found or 0)

@@ -10,7 +10,7 @@ from typing import Any
 
 from sqlalchemy import BigInteger, ColumnElement, func, type_coerce
 
-from ql3.adapters.sql.schema import runs
+from ql3.adapters.sql.schema import run_events, runs
 from ql3.domain.model import JsonValue
 
 
@@ -37,3 +37,7 @@ def contains(document: Mapping[str, JsonValue]) -> Sequence[ColumnElement[bool]]
         else:
             clauses.append(func.json(found) == func.json(json.dumps(value)))
     return clauses
+
+
+def data_is(key: str, value: str) -> ColumnElement[bool]:
+    return func.json_extract(run_events.c.data, _path(key)) == value

@@ -764,7 +764,11 @@ class SqliteStore:
         from ql3.adapters.sql.sqlite import browse
 
         return SqlRunBrowser(
-            self._console_read, queries.SQLITE, millis=browse.millis, contains=browse.contains
+            self._console_read,
+            queries.SQLITE,
+            millis=browse.millis,
+            contains=browse.contains,
+            data_is=browse.data_is,
         )
 
     @contextmanager
@@ -786,6 +790,12 @@ class SqliteStore:
 
     def task_durations(self, since_ms: int, limit: int) -> Any:
         return self._browser.task_durations(since_ms, limit)
+
+    def last_event_sequence(self) -> int:
+        return int(self._browser.last_event_sequence())
+
+    def runs_again_of(self, run_id: str, after_sequence: int) -> Any:
+        return self._browser.runs_again_of(run_id, after_sequence)
 
     # due times: what an idle executing process may sleep until
 
