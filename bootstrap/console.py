@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +25,11 @@ from ql3.application.triggers import Triggers
 log = logging.getLogger("ql3.console")
 
 LOCAL_OPERATOR = Operator(name="local", role=Role.OPERATOR)
+STARTUP_TIMEOUT_S = 10.0
+
+
+class ConsoleUnavailable(RuntimeError):
+    """The console could not start listening (its port is taken, say)."""
 
 
 def _keeps_credentials(store: Any) -> bool:
@@ -147,6 +153,13 @@ def serve_in_thread(console: Console, host: str, port: int) -> Callable[[], None
     server = _server(console, host, port)
     thread = threading.Thread(target=server.run, name="ql3-console", daemon=True)
     thread.start()
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while not server.started and thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    if not server.started:
+        server.should_exit = True
+        console.close()
+        raise ConsoleUnavailable(f"the console could not listen on {host}:{port}")
 
     def stop() -> None:
         server.should_exit = True

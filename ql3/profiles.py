@@ -41,6 +41,9 @@ class ClusterRuntime(Runtime):
         self._finished: Notified | None = None
         self._finished_listener: Any = None
 
+    def _notifications_url(self) -> str | None:
+        return self._url
+
     def _admission_in(self, transaction: object) -> Admission:
         from ql3.adapters.postgres import borrowed
 

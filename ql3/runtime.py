@@ -11,7 +11,7 @@ import asyncio
 import datetime as dt
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from types import TracebackType
 from typing import Any
@@ -142,6 +142,7 @@ class Runtime:
         self._stopped = False
         self._closed = False
         self._lock = threading.Lock()
+        self._consoles: list[Any] = []
 
     @property
     def tasks(self) -> TaskRegistry | None:
@@ -385,6 +386,33 @@ class Runtime:
         """Every task limit recorded, by task name."""
         return self._limits.all()
 
+    # --- the operator console ---------------------------------------------------------------------
+
+    def console_app(
+        self,
+        *,
+        users: Mapping[str, Any] | None = None,
+        identify: Callable[[Any], Any] | None = None,
+    ) -> Any:
+        """The operator console as an ASGI app on this runtime's store, to mount in the
+        application (``app.mount("/ops", runtime.console_app(identify=...))``), never beside
+        the worker ingress (ADR 0020). Who may use it: ``identify``, the application's own
+        dependency (a callable from the request to a ``ql3.ConsoleOperator`` or None), or
+        ``users`` (``ql3.console_users(path)``) who sign in with HTTP Basic. One of them is
+        required. Live updates use the store's notifications on the Cluster profile."""
+        if users is None and identify is None:
+            raise ValueError("console_app() needs users= or identify= (who may use it)")
+        from ql3.bootstrap import console
+
+        built = console.build(
+            self.store, users=users, identify=identify, database_url=self._notifications_url()
+        )
+        self._consoles.append(built)
+        return built.app
+
+    def _notifications_url(self) -> str | None:
+        return None
+
     # --- lifecycle --------------------------------------------------------------------------------
 
     def start(self) -> None:
@@ -416,6 +444,8 @@ class Runtime:
             if self._closed:
                 return
             self._closed = True
+        for console in self._consoles:
+            console.close()
         self._producer.close()
 
     def _start(self) -> None:

@@ -162,3 +162,9 @@ class BasicAuth:
         if user is None:
             return None
         return Operator(name=user.name, role=user.role)
+
+
+# The names the public API exports (``ql3.ConsoleOperator`` and so on).
+ConsoleOperator = Operator
+ConsoleRole = Role
+console_users = load_users
