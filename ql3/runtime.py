@@ -11,7 +11,7 @@ import asyncio
 import datetime as dt
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from types import TracebackType
 from typing import Any
@@ -142,6 +142,7 @@ class Runtime:
         self._stopped = False
         self._closed = False
         self._lock = threading.Lock()
+        # Operator consoles built on this runtime (``console_app()``), closed with it.
         self._consoles: list[Any] = []
 
     @property
@@ -385,33 +386,6 @@ class Runtime:
     def task_limits(self) -> Sequence[TaskLimit]:
         """Every task limit recorded, by task name."""
         return self._limits.all()
-
-    # --- the operator console ---------------------------------------------------------------------
-
-    def console_app(
-        self,
-        *,
-        users: Mapping[str, Any] | None = None,
-        identify: Callable[[Any], Any] | None = None,
-    ) -> Any:
-        """The operator console as an ASGI app on this runtime's store, to mount in the
-        application (``app.mount("/ops", runtime.console_app(identify=...))``), never beside
-        the worker ingress (ADR 0020). Who may use it: ``identify``, the application's own
-        dependency (a callable from the request to a ``ql3.ConsoleOperator`` or None), or
-        ``users`` (``ql3.console_users(path)``) who sign in with HTTP Basic. One of them is
-        required. Live updates use the store's notifications on the Cluster profile."""
-        if users is None and identify is None:
-            raise ValueError("console_app() needs users= or identify= (who may use it)")
-        from ql3.bootstrap import console
-
-        built = console.build(
-            self.store, users=users, identify=identify, database_url=self._notifications_url()
-        )
-        self._consoles.append(built)
-        return built.app
-
-    def _notifications_url(self) -> str | None:
-        return None
 
     # --- lifecycle --------------------------------------------------------------------------------
 
