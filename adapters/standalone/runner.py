@@ -491,7 +491,9 @@ class StandaloneRunner:
             elif outcome.timed_out:
                 self._emit(f"{label} {timed_out_error(execution.grant.timeout_ms or 0)}")
             else:
-                self._emit(f"{label} failed: {outcome.error}")
+                # The first line: the error's type and message (its traceback stays on the run).
+                first = (outcome.error or "").splitlines()[:1]
+                self._emit(f"{label} failed: {first[0] if first else ''}")
         if outcomes and not self._stop_requested.is_set():
             # A finished step may let its workflow go on: the frontier runs soon.
             self._schedule.cycle_requested = True

@@ -57,6 +57,8 @@ def test_find_a_failed_run_by_filter_and_read_its_traceback(
     error = page.locator('[data-field="error"]')
     expect(error).to_contain_text("RuntimeError")
     expect(error).to_contain_text("the disk is full")
+    expect(error).to_contain_text("Traceback (most recent call last)")
+    expect(error).to_contain_text('raise RuntimeError(payload.get("message", "boom"))')
 
 
 def test_cancel_a_queued_run(page: Page, console: ConsoleProcess, cluster: Cluster) -> None:
