@@ -24,7 +24,7 @@ from ql3.application.ports import (
 )
 from ql3.application.task_limits import TaskLimits
 from ql3.application.worker_commands import WorkerCommands
-from ql3.domain.model import JsonValue, RunStatus
+from ql3.domain.model import JsonValue, Run, RunStatus
 from ql3.domain.rerun import run_again
 
 audit = logging.getLogger("ql3.console.audit")
@@ -109,6 +109,10 @@ class ConsoleActions:
         audit.info("%s revoked credential %s", operator, credential_id)
         sessions = len(revoked.revoked_session_ids)
         return Done(f"revoked credential {credential_id} and {sessions} open session(s)")
+
+    def run_of(self, run_id: str) -> Run | None:
+        with self._uow_factory() as uow:
+            return uow.runs.get_run(run_id)
 
     def run_again(
         self, operator: str, run_id: str, input: JsonValue, confirmation: str | None

@@ -24,10 +24,12 @@ from starlette.exceptions import HTTPException
 from starlette.staticfiles import StaticFiles
 
 from ql3.adapters.console.auth import Operator, Role
+from ql3.adapters.console.bulk import BulkJobs
 from ql3.adapters.console.feed import ChangeFeed
 from ql3.adapters.console.graph import workflow_graph
 from ql3.adapters.console.views import bars, describe_trigger
 from ql3.application.admission import UnknownRun
+from ql3.application.bulk import BulkActions, BulkRequest
 from ql3.application.console import (
     DAY_MS,
     DEFAULT_RUNS_PAGE,
@@ -46,6 +48,7 @@ from ql3.application.operations import Doctor
 from ql3.application.ports import HARD_PAGE_CAP, OperationsSource
 from ql3.application.queries import RunQueries
 from ql3.application.task_limits import TaskLimits
+from ql3.domain.bulk import BulkAction
 from ql3.domain.errors import DomainError
 from ql3.domain.model import JsonValue, RunStatus
 from ql3.domain.rerun import needs_confirmation
@@ -80,6 +83,15 @@ class ConsoleServices:
     feed: ChangeFeed
     credentials: Any = None  # CredentialCommands, on the stores that keep credentials
     triggers: Any = None  # (Triggers, CronCalendar) on the stores that keep triggers
+
+    def __post_init__(self) -> None:
+        self.bulk = BulkActions(self.browser, self.actions)
+        self.jobs = BulkJobs(self.bulk, self.feed_now)
+
+    def feed_now(self) -> int:
+        """The store's clock, as a page read by primary key observes it (an empty one)."""
+        empty = RunFilter(run_id="")
+        return self.browser.browse_runs(empty, RunOrder.OLDEST, None, 1).observed_at_ms
 
     @property
     def queries(self) -> ConsoleQueries:
@@ -419,6 +431,9 @@ def create_app(
     # --- actions ----------------------------------------------------------------------------
 
     async def _form(request: Request) -> Mapping[str, str]:
+        return dict(await _pairs(request))
+
+    async def _pairs(request: Request) -> list[tuple[str, str]]:
         """The fields of an url-encoded form (the console's forms post nothing else)."""
         kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
         if kind not in ("application/x-www-form-urlencoded", ""):
@@ -427,10 +442,9 @@ def create_app(
         if len(body) > MAX_FORM_BYTES:
             raise Refused(413, f"a form holds at most {MAX_FORM_BYTES} bytes")
         try:
-            pairs = parse_qsl(body.decode("utf-8"), keep_blank_values=True, strict_parsing=False)
+            return parse_qsl(body.decode("utf-8"), keep_blank_values=True, strict_parsing=False)
         except (UnicodeDecodeError, ValueError):
             raise Refused(400, "the form is not url-encoded UTF-8") from None
-        return dict(pairs)
 
     async def _act(
         request: Request, action: Callable[[Operator, Mapping[str, str]], Done]
@@ -510,6 +524,72 @@ def create_app(
             return services.actions.run_again(op.name, run_id, document, form.get("confirm"))
 
         return await _act(request, act)
+
+    # --- bulk actions -----------------------------------------------------------------------
+
+    def _bulk_request(pairs: list[tuple[str, str]]) -> BulkRequest:
+        fields = dict(pairs)
+        try:
+            action = BulkAction(fields.get("action", ""))
+        except ValueError:
+            raise Refused(400, "the bulk action is cancel or run_again") from None
+        query = fields.get("query", "")
+        if len(query) > MAX_FORM_BYTES:
+            raise Refused(400, "the filter is too long")
+        params = parse_qsl(query, keep_blank_values=False)
+        where = run_filter(dict(params), [v for k, v in params if k == "status"])
+        selected = tuple(dict.fromkeys(v for k, v in pairs if k == "run" and v))
+        if fields.get("scope") == "selected" and not selected:
+            raise Refused(400, "select runs first, or act on everything the filter matches")
+        try:
+            return BulkRequest(
+                action=action,
+                where=where,
+                run_ids=selected if fields.get("scope") == "selected" else (),
+                reason=fields.get("reason", "")[:200],
+            )
+        except DomainError as error:
+            raise Refused(400, str(error)) from None
+
+    @app.post("/bulk/preview", response_class=HTMLResponse)
+    async def bulk_preview(request: Request) -> Response:
+        acting(request)
+        pairs = await _pairs(request)
+        wanted = _bulk_request(pairs)
+        began = await _read(services.feed_now)
+        count = await _read(lambda: services.bulk.preview(wanted, began))
+        return _page(
+            request,
+            "bulk_preview.html",
+            {"wanted": wanted, "count": count, "pairs": pairs, "began": began},
+        )
+
+    @app.post("/bulk")
+    async def bulk_start(request: Request) -> Response:
+        operator = acting(request)
+        pairs = await _pairs(request)
+        wanted = _bulk_request(pairs)
+        try:
+            began = int(dict(pairs).get("began", ""))
+        except ValueError:
+            raise Refused(400, "start the bulk action from its preview") from None
+        count = await _read(lambda: services.bulk.preview(wanted, began))
+        job = services.jobs.start(operator.name, wanted, began, count.value)
+        base = str(request.scope.get("root_path", "")).rstrip("/")
+        return Response(status_code=303, headers={"Location": f"{base}/bulk/{job.id}"})
+
+    @app.get("/bulk", response_class=HTMLResponse)
+    async def bulk_jobs(request: Request) -> Response:
+        who(request)
+        return _page(request, "bulk_jobs.html", {"jobs": services.jobs.all()})
+
+    @app.get("/bulk/{job_id}", response_class=HTMLResponse)
+    async def bulk_job(request: Request, job_id: str) -> Response:
+        who(request)
+        job = services.jobs.get(job_id)
+        if job is None:
+            raise Refused(404, f"not found: bulk job {job_id} (jobs live as long as the console)")
+        return _page(request, "bulk_job.html", {"job": job})
 
     return app
 

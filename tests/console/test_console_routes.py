@@ -233,3 +233,84 @@ def test_the_event_stream_needs_sign_in_and_says_changed(console: Any, store: An
     changed, now = feed.wait_past(marker, timeout_s=3)
     assert changed and now > marker
     assert feed.wait_past(now, timeout_s=1) == (False, now)
+
+
+def _wait_job(operator: TestClient, location: str) -> str:
+    import time
+
+    deadline = time.monotonic() + 30
+    while True:
+        page = operator.get(location).text
+        if 'data-state="finished"' in page:
+            return page
+        assert time.monotonic() < deadline, page
+        time.sleep(0.05)
+
+
+def test_bulk_cancel_by_filter_after_its_preview(operator: TestClient, store: Any) -> None:
+    mails = [_submit(store, task="mail", input={"n": i}) for i in range(5)]
+    other = _submit(store, task="report")
+    Admission(store.unit_of_work, RandomIdentities()).cancel(mails[0], "early")
+    page = operator.get("/runs", params={"task": "mail"}).text
+    assert 'id="bulk-form"' in page and 'name="run"' in page
+    form = {"action": "cancel", "scope": "filter", "query": "task=mail", "reason": "tidy"}
+    preview = operator.post("/bulk/preview", data=form)
+    assert preview.status_code == 200 and 'data-count="4"' in preview.text
+    assert all(_status(store, run_id) is not RunStatus.CANCELLED for run_id in mails[1:])
+    began = re.search(r'name="began" value="(\d+)"', preview.text)
+    assert began is not None
+    started = operator.post("/bulk", data={**form, "began": began.group(1)}, follow_redirects=False)
+    assert started.status_code == 303
+    done = _wait_job(operator, started.headers["location"])
+    assert "4 done, 0 skipped, 0 failed of 4 previewed" in done and "otto" in done
+    assert all(_status(store, run_id) is RunStatus.CANCELLED for run_id in mails)
+    assert _status(store, other) is RunStatus.QUEUED
+    view = RunQueries(store.unit_of_work).show(mails[3])
+    assert view is not None and view.run.error == "[console: otto] tidy"
+    assert "otto" in operator.get("/bulk").text
+
+
+def test_bulk_run_again_of_a_selection(
+    operator: TestClient, viewer: TestClient, store: Any
+) -> None:
+    admission = Admission(store.unit_of_work, RandomIdentities())
+    done = [_submit(store, task="mail", policy=IDEMPOTENT) for _ in range(2)]
+    unsafe = _submit(store, task="charge")
+    waiting = _submit(store, task="mail")
+    for run_id in (*done, unsafe):
+        admission.cancel(run_id, "stop")
+    form = [
+        ("action", "run_again"),
+        ("scope", "selected"),
+        ("query", ""),
+        *[("run", run_id) for run_id in (*done, unsafe, waiting)],
+    ]
+    assert viewer.post("/bulk/preview", data=dict(form)).status_code == 403
+    preview = operator.post(
+        "/bulk/preview",
+        content=_encoded(form),
+        headers={"Content-Type": "application/x-www-form-urlencoded"},
+    )
+    assert 'data-count="4"' in preview.text
+    began = re.search(r'name="began" value="(\d+)"', preview.text)
+    assert began is not None
+    started = operator.post(
+        "/bulk",
+        content=_encoded([*form, ("began", began.group(1))]),
+        headers={"Content-Type": "application/x-www-form-urlencoded"},
+        follow_redirects=False,
+    )
+    page = _wait_job(operator, started.headers["location"])
+    assert "2 done, 2 skipped, 0 failed" in page and "not declared safe to repeat" in page
+    for run_id in done:
+        assert 'class="again">' in operator.get(f"/runs/{run_id}").text
+    missing = operator.post("/bulk/preview", data={"action": "cancel", "scope": "selected"})
+    assert missing.status_code == 400
+    assert operator.post("/bulk/preview", data={"action": "nope"}).status_code == 400
+    assert operator.get("/bulk/unknown").status_code == 404
+
+
+def _encoded(pairs: list[tuple[str, str]]) -> str:
+    from urllib.parse import urlencode
+
+    return urlencode(pairs)

@@ -50,7 +50,7 @@ def test_find_a_failed_run_by_filter_and_read_its_traceback(
     page.goto(console.url + "/runs")
     page.get_by_label("failed").check()
     page.get_by_label("Task").fill(f"{PREFIX}.fail")
-    page.get_by_role("button", name="Filter").click()
+    page.get_by_role("button", name="Filter", exact=True).click()
     expect(page).to_have_url(re.compile(r"status=failed"))
     page.get_by_role("link", name=failed).click()
     expect(page.locator('[data-status="failed"]')).to_be_visible()
@@ -69,6 +69,24 @@ def test_cancel_a_queued_run(page: Page, console: ConsoleProcess, cluster: Clust
     expect(page.locator(".done")).to_have_text(f"cancelled run {queued} (was queued)")
     assert cluster.status(queued) == "cancelled"
     assert cluster.show(queued)["error"] == "[console: otto] cancelled by operator"
+
+
+def test_bulk_cancel_by_filter_after_its_preview(
+    page: Page, console: ConsoleProcess, cluster: Cluster
+) -> None:
+    queued = [cluster.submit("bulk.double", {"n": n}) for n in range(3)]
+    page.goto(console.url + "/runs?task=bulk.double&status=queued")
+    expect(page.locator(".count")).to_have_text("3 run(s) match.")
+    page.get_by_role("button", name="Preview for everything the filter matches").click()
+    expect(page.locator(".preview")).to_have_attribute("data-count", "3")
+    assert {cluster.status(run_id) for run_id in queued} == {"queued"}
+    page.get_by_role("button", name="Cancel them").click()
+    expect(page.locator('.progress[data-state="finished"]')).to_contain_text(
+        "3 done, 0 skipped, 0 failed of 3 previewed", timeout=20_000
+    )
+    assert {cluster.status(run_id) for run_id in queued} == {"cancelled"}
+    page.goto(console.url + "/bulk")
+    expect(page.locator("main table")).to_contain_text("otto")
 
 
 def test_run_a_failed_idempotent_run_again_and_see_both_linked(
