@@ -395,7 +395,7 @@ def test_a_version_1_database_is_upgraded_in_place(tmp_path: Path) -> None:
 
     upgraded = SqliteStore(path)
     try:
-        assert _pragma(upgraded, "user_version") == SCHEMA_VERSION == 4
+        assert _pragma(upgraded, "user_version") == SCHEMA_VERSION == 5
         assert upgraded.dispatch_gate().open
         with upgraded.unit_of_work() as uow:
             indexes = {

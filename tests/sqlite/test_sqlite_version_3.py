@@ -79,7 +79,7 @@ def test_a_version_2_database_is_upgraded_in_place(tmp_path: Path) -> None:
                     "SELECT name FROM sqlite_master WHERE type = 'index'"
                 )
             }
-        assert version == SCHEMA_VERSION == 4
+        assert version == SCHEMA_VERSION == 5
         assert {"ix_runs_quarantined", "ix_run_events_run_id"} <= indexes
         assert [c.run_id for c in upgraded.lost_runs(16).items] == ["lost-run"]
         Quarantines(upgraded.unit_of_work).quarantine("lost-run", "held")

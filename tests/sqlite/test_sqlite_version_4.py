@@ -96,7 +96,7 @@ def test_a_version_3_database_is_upgraded_in_place(tmp_path: Path) -> None:
             (claimable,) = uow.connection.exec_driver_sql(
                 "SELECT sql FROM sqlite_master WHERE name = 'ix_runs_claimable'"
             ).one()
-        assert version == SCHEMA_VERSION == 4
+        assert version == SCHEMA_VERSION == 5
         assert "(task, priority DESC, updated_at, id)" in claimable
         assert "task_limits" in tables
         assert "uq_runs_unique_key" in indexes  # ADR 0015

@@ -9,8 +9,8 @@ import time
 
 # PRAGMA user_version of a database the store created; another value is refused, but for
 # UPGRADABLE_VERSIONS, which are upgraded in place.
-SCHEMA_VERSION = 4
-UPGRADABLE_VERSIONS = (1, 2, 3)
+SCHEMA_VERSION = 5
+UPGRADABLE_VERSIONS = (1, 2, 3, 4)
 
 
 def connection_pragmas(*, busy_timeout_ms: int, synchronous: str, wal: bool) -> list[str]:

@@ -29,7 +29,8 @@ Schema
     claim protocol of ADR 0007) is brought to version 2 when it is opened: the dispatch gate,
     the claim's candidate index, and the new release reason and event types; a database of
     version 2 to version 3: the quarantine and the failing candidate (ADR 0010). A database of
-    version 3 that lacks the indexes of a prune (ADR 0016) gets them when it is opened.
+    version 3 that lacks the indexes of a prune (ADR 0016) gets them when it is opened; a
+    database of version 4 gets the operator console's indexes (ADR 0020) and becomes version 5.
 
 ``SqliteStore(None)`` (or ``":memory:"``) is a private in-memory database on one connection,
 whose transactions are serialised by a lock: for tests and throw-away containers.
@@ -577,7 +578,9 @@ class SqliteStore:
                     upgrade_from_version_1(connection)
                 if version <= 2:
                     upgrade_from_version_2(connection)
-                upgrade_from_version_3(connection)
+                if version <= 3:
+                    upgrade_from_version_3(connection)
+                upgrade_from_version_4(connection)
             connection.exec_driver_sql(f"PRAGMA user_version = {SCHEMA_VERSION}")
             connection.commit()
 
@@ -895,6 +898,12 @@ def upgrade_from_version_3(connection: Connection) -> None:
     _add_missing_columns(connection, _WIDENED_IN_VERSION_4)
     metadata.create_all(connection)
     renew_claimable_index(connection)
+
+
+def upgrade_from_version_4(connection: Connection) -> None:
+    """Version 4 to 5, inside the caller's write transaction: the indexes of the operator
+    console (ADR 0020), rows untouched."""
+    _create_missing_indexes(connection)
 
 
 def renew_claimable_index(connection: Connection) -> None:
