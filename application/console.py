@@ -146,6 +146,9 @@ class RunBrowser(Protocol):
     def finished_counts(self, since_ms: int) -> Mapping[tuple[str, str], int]:
         """(task, status) -> top-level Runs that finished since ``since_ms``."""
 
+    def status_counts(self, cap: int) -> Mapping[RunStatus, Count]:
+        """:meth:`count_runs` of each status, in one read."""
+
     def last_event_sequence(self) -> int:
         """The sequence of the last event appended (0 for none): it grows with every change."""
 
@@ -195,10 +198,7 @@ class ConsoleQueries:
         from ql3.application.operations import diagnose
 
         view = self._operations.operations_view(HARD_PAGE_CAP)
-        counts = {
-            status: self._browser.count_runs(RunFilter(statuses=(status,)), COUNT_CAP)
-            for status in RunStatus
-        }
+        counts = self._browser.status_counts(COUNT_CAP)
         now, hour = self._browser.finished_between(
             self._since(view.observed_at_ms, HOUR_MS), 60_000
         )

@@ -796,6 +796,11 @@ class MemoryStore:
 
         return browse.durations(state.runs.values(), attempts_of, since_ms, limit)
 
+    def status_counts(self, cap: int) -> Mapping[RunStatus, Count]:
+        state, _ = self._snapshot()
+        runs = list(state.runs.values())
+        return {s: browse.count(runs, RunFilter(statuses=(s,)), cap) for s in RunStatus}
+
     def last_event_sequence(self) -> int:
         state, _ = self._snapshot()
         return state.last_sequence

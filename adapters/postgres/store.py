@@ -936,7 +936,6 @@ class PostgresStore:
     @contextmanager
     def _console_read(self) -> Iterator[tuple[Connection, int]]:
         with self.engine.connect() as connection:
-            connection.exec_driver_sql("SET TRANSACTION READ ONLY")
             now = int(connection.execute(queries.now_statement(self._clock_offset_ms)).scalar_one())
             try:
                 yield connection, now
@@ -960,6 +959,9 @@ class PostgresStore:
 
     def last_event_sequence(self) -> int:
         return int(self._browser.last_event_sequence())
+
+    def status_counts(self, cap: int) -> Any:
+        return self._browser.status_counts(cap)
 
     def runs_again_of(self, run_id: str, after_sequence: int) -> Any:
         return self._browser.runs_again_of(run_id, after_sequence)

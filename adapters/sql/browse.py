@@ -107,6 +107,17 @@ def capped_count_statement(
     return select(func.count()).select_from(inner)
 
 
+def status_counts_statement(cap: int, spelling: Spelling, contains: Contains) -> Select:
+    """Every status's capped count in one statement, one scalar subquery a status."""
+    columns = [
+        capped_count_statement(RunFilter(statuses=(status,)), cap, spelling, contains)
+        .scalar_subquery()
+        .label(status.value)
+        for status in RunStatus
+    ]
+    return select(*columns)
+
+
 def page_of(found: Sequence[rows.Row], limit: int, observed_at_ms: int) -> RunPage:
     items = tuple(rows.run_from_row(row) for row in found[:limit])
     cursor = None
@@ -265,3 +276,27 @@ class SqlRunBrowser:
         with self._read() as (connection, _now):
             found = connection.execute(select(func.max(run_events.c.id))).scalar()
         return int(found or 0)
+
+    def status_counts(self, cap: int) -> Mapping[RunStatus, Count]:
+        statement = status_counts_statement(cap, self._spelling, self._contains)
+        with self._read() as (connection, _now):
+            row = connection.execute(statement).mappings().one()
+            found: dict[RunStatus, Count] = {}
+            for status in RunStatus:
+                value = int(row[status.value])
+                if value <= cap:
+                    found[status] = Count(value=value, exact=True)
+                    continue
+                estimated = None
+                if self._estimate is not None:
+                    full = select(runs.c.id).where(
+                        *where_clauses(
+                            RunFilter(statuses=(status,)), self._spelling, self._contains
+                        )
+                    )
+                    estimated = self._estimate(connection, full)
+                if estimated is not None and estimated > cap:
+                    found[status] = Count(value=estimated, exact=False, estimated=True)
+                else:
+                    found[status] = Count(value=cap, exact=False)
+        return found

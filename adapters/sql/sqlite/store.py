@@ -797,6 +797,9 @@ class SqliteStore:
     def last_event_sequence(self) -> int:
         return int(self._browser.last_event_sequence())
 
+    def status_counts(self, cap: int) -> Any:
+        return self._browser.status_counts(cap)
+
     def runs_again_of(self, run_id: str, after_sequence: int) -> Any:
         return self._browser.runs_again_of(run_id, after_sequence)
 
