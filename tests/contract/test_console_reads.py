@@ -100,3 +100,18 @@ def test_finished_history_by_bucket_task_and_status(store: Any, advance: Advance
     tasks = {row.task: row for row in queries.tasks(3_600_000, {"mail": 2})}
     assert (tasks["mail"].queued, tasks["mail"].limit) == (2, 2)
     assert (tasks["report"].queued, tasks["report"].limit) == (2, None)
+
+
+def test_durations_of_the_attempts_finished_in_a_window(store: Any, advance: Advance) -> None:
+    from tests.contract.builders import committed, finish, given_session, given_started
+
+    given_session(store, "s1", "w-1")
+    attempt_id = given_started(store, "r-done", "s1")
+    advance(1_500)
+    with committed(store) as uow:
+        finish(uow, attempt_id)
+    durations = store.task_durations(0, 100)
+    assert list(durations) == ["mail"] and durations["mail"][0] >= 1_500
+    queries = ConsoleQueries(store, store)
+    (row,) = [t for t in queries.tasks(3_600_000, {}) if t.task == "mail"]
+    assert row.succeeded == 1 and row.p50_ms is not None and row.p50_ms >= 1_500

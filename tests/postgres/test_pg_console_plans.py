@@ -68,9 +68,10 @@ def _statements(now_ms: int) -> dict[str, Callable[[], Any]]:
         "task_counts_last_hour": lambda: browse.finished_counts_statement(
             now_ms - 3_600_000, POSTGRES
         ),
-        "task_durations_last_hour": lambda: browse.durations_statement(
-            now_ms - 3_600_000, 5_000, POSTGRES, pg.millis
+        "task_recent_finished": lambda: browse.recent_finished_statement(
+            now_ms - 3_600_000, 5_000, POSTGRES
         ),
+        "task_durations": lambda: browse.durations_statement(["hist-1", "hist-2"], pg.millis),
         "runs_again_of": lambda: browse.again_statement("hist-9", FINISHED, pg.data_is),
     }
 
