@@ -936,6 +936,11 @@ class PostgresStore:
     @contextmanager
     def _console_read(self) -> Iterator[tuple[Connection, int]]:
         with self.engine.connect() as connection:
+            # The console's statements bound a range of time (a window, a cursor): planned for
+            # their values, not generically as the store's other statements are (a generic plan
+            # guesses that a third of the table is in range, and reads it all). LOCAL: the
+            # setting ends with this transaction, and the pooled connection keeps its own.
+            connection.exec_driver_sql("SET LOCAL plan_cache_mode = force_custom_plan")
             now = int(connection.execute(queries.now_statement(self._clock_offset_ms)).scalar_one())
             try:
                 yield connection, now

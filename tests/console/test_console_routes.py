@@ -314,3 +314,27 @@ def _encoded(pairs: list[tuple[str, str]]) -> str:
     from urllib.parse import urlencode
 
     return urlencode(pairs)
+
+
+def test_revoking_a_credential_is_audited_with_the_operator(
+    operator: TestClient, viewer: TestClient, store: Any
+) -> None:
+    with store.unit_of_work() as uow:
+        keeps_credentials = hasattr(uow, "credentials")
+    if not keeps_credentials:  # SQLite keeps no worker credentials: nothing to revoke
+        assert operator.post("/credentials/c1/revoke", data={"reason": "x"}).status_code == 404
+        assert "Credentials" not in operator.get("/workers").text
+        return
+    from ql3.application.credentials import CredentialCommands
+
+    commands = CredentialCommands(store.unit_of_work, RandomIdentities())
+    issued = commands.issue("host-a-*")
+    page = operator.get("/workers").text
+    assert issued.credential.id in page and issued.secret not in page
+    assert issued.secret not in viewer.get("/workers").text
+    done = operator.post(f"/credentials/{issued.credential.id}/revoke", data={"reason": "lost"})
+    assert done.status_code == 200 and "revoked credential" in done.text
+    audit = commands.audit(issued.credential.id)
+    assert "[console: otto] lost" in json.dumps([str(event) for event in audit])
+    again = operator.post(f"/credentials/{issued.credential.id}/revoke", data={"reason": "x"})
+    assert again.status_code in (400, 409)
