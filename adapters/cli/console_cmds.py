@@ -51,6 +51,13 @@ def load_console_users(users_file: str | None, host: str) -> dict[str, object]:
 @click.option("--root-path", default="", help="The path prefix a proxy serves it under.")
 @users_option
 @click.option("--database-url", "database_url", default=None, help="Defaults to $QL3_DATABASE_URL.")
+@click.option(
+    "--log-format",
+    type=click.Choice(["text", "json"]),
+    default="text",
+    show_default=True,
+    help="The log on stderr, where every action is written with the operator's name.",
+)
 @click.pass_context
 def console(
     ctx: click.Context,
@@ -59,17 +66,20 @@ def console(
     root_path: str,
     users_file: str | None,
     database_url: str | None,
+    log_format: str,
 ) -> None:
     """Serve the operator console: runs, attempts, workers, tasks, triggers and workflows,
     live, with the operator's actions."""
     if ctx.invoked_subcommand is not None:
         return
+    from ql3.adapters import logs
     from ql3.adapters.cli.main import SQLITE_URL_PREFIX, _database_url, _sqlite_path
     from ql3.bootstrap import console as root
     from ql3.bootstrap import producer
 
     users = load_console_users(users_file, host)
     url = _database_url(database_url)
+    logs.configure("info", log_format, secrets=[logs.url_password(url)])
     if url.startswith(SQLITE_URL_PREFIX):
         store = producer.open_sqlite_store(_sqlite_path(url))
     else:

@@ -177,6 +177,8 @@ def _pages(cluster: Cluster, console: ConsoleProcess) -> list[str]:
         }
     )
     _finished(cluster, workflow)
+    # A trigger for the triggers page (the second call finds it there already).
+    cluster.ql3("triggers", "add", "nightly", "--task", f"{PREFIX}.double", "--cron", "0 3 * * *")
     failed = cluster.submit(f"{PREFIX}.fail", {"message": "no route to host"})
     _finished(cluster, failed)
     paths = [
@@ -190,6 +192,7 @@ def _pages(cluster: Cluster, console: ConsoleProcess) -> list[str]:
         "/workflows",
         "/doctor",
         "/runs?status=failed",
+        "/bulk",
     ]
     return [console.url + path for path in paths]
 
