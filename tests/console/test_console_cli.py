@@ -150,3 +150,41 @@ def test_console_app_mounts_with_the_applications_own_sign_in() -> None:
     assert done.status_code == 200
     assert runtime.get(run_id).status is ql3.RunStatus.CANCELLED
     runtime.close()
+
+
+def test_ql3_standalone_serves_the_console_beside_it(tmp_path: Path) -> None:
+    url = _database(tmp_path)
+    database = url[len("sqlite:///") :]
+    port = _free_port()
+    process = subprocess.Popen(
+        [
+            *QL3,
+            "standalone",
+            "--app",
+            "ql3.adapters.cli.demo_tasks:TASKS",
+            "--db",
+            database,
+            "--console-port",
+            str(port),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                page = httpx.get(base + "/runs", timeout=5)
+                break
+            except httpx.TransportError:
+                assert process.poll() is None and time.monotonic() < deadline
+                time.sleep(0.1)
+        assert page.status_code == 200 and "1 run(s) match" in page.text
+        assert "Content-Security-Policy" in page.headers
+    finally:
+        process.terminate()
+        output, _ = process.communicate(timeout=30)
+    assert process.returncode == 0, output
+    assert f"ql3 console on http://127.0.0.1:{port}/" in output

@@ -19,6 +19,7 @@ from typing import Any
 
 import httpx
 import pytest
+from playwright.sync_api import Browser, Playwright, sync_playwright
 
 from ql3.adapters.console.auth import hash_password
 from tests.e2e.conftest import PROJECT_ROOT, Cluster, Ledger, torn_down
@@ -99,6 +100,23 @@ def console(cluster: Cluster) -> Iterator[ConsoleProcess]:
         assert "Traceback" not in process.output(), process.output()
 
 
+# Playwright for this module only, stopped when it ends: its sync API keeps an event loop
+# running on this thread while it lives, and the tests after these ones call asyncio.run().
+@pytest.fixture(scope="module")
+def playwright() -> Iterator[Playwright]:
+    with sync_playwright() as started:
+        yield started
+
+
+@pytest.fixture(scope="module")
+def browser(playwright: Playwright, browser_type_launch_args: dict[str, Any]) -> Iterator[Browser]:
+    launched = playwright.chromium.launch(**browser_type_launch_args)
+    try:
+        yield launched
+    finally:
+        launched.close()
+
+
 @pytest.fixture(scope="session")
 def browser_type_launch_args(browser_type_launch_args: dict[str, Any]) -> dict[str, Any]:
     if not shutil.which(CHROMIUM):
@@ -112,10 +130,10 @@ def browser_type_launch_args(browser_type_launch_args: dict[str, Any]) -> dict[s
     }
 
 
-@pytest.fixture(scope="session")
-def browser_context_args(browser_context_args: dict[str, Any]) -> dict[str, Any]:
+@pytest.fixture(scope="module")
+def browser_context_args() -> dict[str, Any]:
+    # Not the plugin's (it asks a session-wide Playwright for its devices).
     return {
-        **browser_context_args,
         "viewport": {"width": 1280, "height": 900},
         "http_credentials": {"username": "otto", "password": PASSWORDS["otto"]},
     }
