@@ -49,7 +49,8 @@ from ql3.application.ports import HARD_PAGE_CAP, OperationsSource
 from ql3.application.queries import RunQueries
 from ql3.application.task_limits import TaskLimits
 from ql3.domain.bulk import BulkAction
-from ql3.domain.errors import DomainError
+from ql3.domain.credentials import UnknownCredential
+from ql3.domain.errors import DomainError, InvalidTransition
 from ql3.domain.model import JsonValue, RunStatus
 from ql3.domain.rerun import needs_confirmation
 
@@ -453,10 +454,12 @@ def create_app(
         form = await _form(request)
         try:
             done = await run_in_threadpool(action, operator, form)
-        except (UnknownRun, UnknownAttempt, LookupError) as error:
+        except (UnknownRun, UnknownAttempt, UnknownCredential, LookupError) as error:
             raise Refused(404, f"not found: {error}") from None
+        except InvalidTransition as error:  # the run (or credential) is past that action
+            raise Refused(409, str(error)) from None
         except DomainError as error:
-            raise Refused(409 if "cannot" in str(error) else 400, str(error)) from None
+            raise Refused(400, str(error)) from None
         return _page(request, "done.html", {"done": done}, status=200)
 
     @app.post("/runs/{run_id}/cancel")

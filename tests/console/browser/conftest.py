@@ -24,8 +24,6 @@ from playwright.sync_api import Browser, Playwright, sync_playwright
 from ql3.adapters.console.auth import hash_password
 from tests.e2e.conftest import PROJECT_ROOT, Cluster, Ledger, torn_down
 
-pytestmark = pytest.mark.postgres
-
 CHROMIUM = os.environ.get("QL3_CHROMIUM", "/usr/bin/chromium")
 PASSWORDS = {"vera": "viewer-pass", "otto": "operator-pass"}
 SCREENSHOTS = PROJECT_ROOT / "docs" / "console"
