@@ -25,7 +25,7 @@ $(VENV)/.installed: pyproject.toml
 
 # What the tests run besides Python, as COMMAND:DEBIAN_PACKAGE: openssl (TLS certificates),
 # promtool (alert rules), spin (the protocol model); installed only when missing.
-SYSTEM_TOOLS = openssl:openssl promtool:prometheus spin:spin
+SYSTEM_TOOLS = openssl:openssl promtool:prometheus spin:spin chromium:chromium
 
 test: venv
 	@missing=""; for tool in $(SYSTEM_TOOLS); do \

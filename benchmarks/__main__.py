@@ -1,5 +1,5 @@
-"""``python -m benchmarks <recovery|idle|recover-time|throughput|latency|standalone|submit|chaos>
-...``."""
+"""``python -m benchmarks <recovery|idle|recover-time|throughput|latency|standalone|submit|
+console|chaos> ...``."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "submit",
         "wall time of one ql3 submit process on PostgreSQL and SQLite vs python and psql start-up",
     ),
+    "console": ("console", "the operator console's pages: p95, empty vs large history"),
     "chaos": (
         "chaos",
         "faults under load (kills, server restart, held transactions, ...) vs PgQueuer"

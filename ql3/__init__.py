@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ql3 import testing
+    from ql3.adapters.console.auth import ConsoleOperator, ConsoleRole, console_users
     from ql3.adapters.execution import TaskContext
     from ql3.application.admission import UnknownRun
     from ql3.application.history import InvalidBatchSize, InvalidDuration, PruneReport
@@ -52,6 +53,9 @@ if TYPE_CHECKING:
 # asked for: every module of the runtime lives below this package, and the command line, a
 # worker's task slot or ``ql3 submit`` must not pay for the whole API when it imports one of them.
 _EXPORTS: dict[str, str] = {
+    "ConsoleOperator": "ql3.adapters.console.auth",
+    "ConsoleRole": "ql3.adapters.console.auth",
+    "console_users": "ql3.adapters.console.auth",
     "TaskContext": "ql3.adapters.execution",
     "UnknownRun": "ql3.application.admission",
     "InvalidBatchSize": "ql3.application.history",
@@ -99,6 +103,8 @@ __all__ = [
     "MIN_PRIORITY",
     "Backoff",
     "ClusterRuntime",
+    "ConsoleOperator",
+    "ConsoleRole",
     "DomainError",
     "Error",
     "InvalidAdmission",
@@ -135,6 +141,7 @@ __all__ = [
     "WorkflowInfo",
     "__version__",
     "cluster",
+    "console_users",
     "edge",
     "standalone",
     "testing",

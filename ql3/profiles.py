@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ql3.application.tasks import TaskRegistry
@@ -20,7 +20,37 @@ log = logging.getLogger("ql3")
 POSTGRES_PREFIXES = ("postgresql+psycopg://", "postgresql://")
 
 
-class ClusterRuntime(Runtime):
+class WithConsole(Runtime):
+    """A runtime that serves the operator console (ADR 0020)."""
+
+    def console_app(
+        self,
+        *,
+        users: Mapping[str, Any] | None = None,
+        identify: Callable[[Any], Any] | None = None,
+    ) -> Any:
+        """The operator console as an ASGI app on this runtime's store, to mount in the
+        application (``app.mount("/ops", runtime.console_app(identify=...))``), never beside
+        the worker ingress. Who may use it: ``identify``, the application's own dependency (a
+        callable from the request to a ``ql3.ConsoleOperator``, or None for nobody signed
+        in), or ``users`` (``ql3.console_users(path)``) who sign in with HTTP Basic; one of
+        them is required. On the Cluster profile the store's notifications drive its live
+        updates. The console is closed with the runtime."""
+        if users is None and identify is None:
+            raise ValueError("console_app() needs users= or identify= (who may use it)")
+        from ql3.bootstrap import console
+
+        built = console.build(
+            self.store, users=users, identify=identify, database_url=self._notifications_url()
+        )
+        self._consoles.append(built)
+        return built.app
+
+    def _notifications_url(self) -> str | None:
+        return None
+
+
+class ClusterRuntime(WithConsole):
     """The Cluster profile on PostgreSQL. :meth:`start` runs startup recovery, then this
     process's scheduler replica (the one cadence) and the dispatch listener that wakes the
     parked claims of :meth:`ingress_app`."""
@@ -40,6 +70,9 @@ class ClusterRuntime(Runtime):
         self._node_lock = threading.Lock()
         self._finished: Notified | None = None
         self._finished_listener: Any = None
+
+    def _notifications_url(self) -> str | None:
+        return self._url
 
     def _unit_of_work_in(self, transaction: object, *, workflow: bool) -> Callable[[], Any]:
         from ql3.adapters.postgres import caller_transaction
@@ -119,7 +152,7 @@ class ClusterRuntime(Runtime):
                 ingress.close()
 
 
-class StandaloneRuntime(Runtime):
+class StandaloneRuntime(WithConsole):
     """The Standalone (or Edge) profile on a SQLite file. :meth:`start` takes the database's
     exclusive lock and runs the in-process runner (startup recovery, the pool, the cadence) on
     a thread of its own; it needs the task registry."""

@@ -152,6 +152,8 @@ class Runtime:
         self._stopped = False
         self._closed = False
         self._lock = threading.Lock()
+        # Operator consoles built on this runtime (``console_app()``), closed with it.
+        self._consoles: list[Any] = []
 
     @property
     def tasks(self) -> TaskRegistry | None:
@@ -563,6 +565,8 @@ class Runtime:
             if self._closed:
                 return
             self._closed = True
+        for console in self._consoles:
+            console.close()
         self._producer.close()
 
     def _start(self) -> None:

@@ -43,7 +43,8 @@ from ql3.bootstrap.producer import Producer
 from ql3.domain.model import JsonValue, RunStatus
 from ql3.domain.transitions import Change
 from ql3.domain.workflows import WorkflowStep
-from ql3.runtime import RunInfo, Runtime, UnsupportedTransaction, WaitTimeout
+from ql3.profiles import WithConsole
+from ql3.runtime import RunInfo, UnsupportedTransaction, WaitTimeout
 
 INLINE_WORKER_ID = "inline"
 INLINE_CAPACITY = 64
@@ -153,7 +154,7 @@ def _started(grant: Grant) -> Started:
     )
 
 
-class InMemoryRuntime(Runtime):
+class InMemoryRuntime(WithConsole):
     """The runtime of an application's tests: memory store, fake clock, inline execution.
 
     It runs the Cluster profile's cadence (runtime recovery, lost retry, triggers, workflows,

@@ -125,6 +125,22 @@ def test_idle_benchmark_reports_queries_and_median_cycle_times(pg_server: Postgr
     _assert_no_databases_left(pg_server, before)
 
 
+def test_console_benchmark_reports_each_pages_p95_empty_and_large(
+    pg_server: PostgresServer,
+) -> None:
+    before = _bench_databases(pg_server)
+    done = _run(["console", "--finished", "500", "--requests", "3", "--json"], pg_server.admin_url)
+    result = _last_json(done)
+    _positive_numbers(result, ("ratio", "slowest_page_p95_ms_large"))
+    empty, large = result["page_p95_ms_empty"], result["page_p95_ms_large"]
+    assert isinstance(empty, dict) and isinstance(large, dict)
+    assert set(empty) == set(large) >= {"overview", "runs", "run", "tasks", "workers", "workflow"}
+    assert all(isinstance(v, float) and v > 0 for v in (*empty.values(), *large.values()))
+    assert result["finished"] == 500 and isinstance(result["meets_targets"], bool)
+    assert any(line.startswith("overview") for line in done.stdout.splitlines()), done.stdout
+    _assert_no_databases_left(pg_server, before)
+
+
 def test_recover_time_benchmark_times_requeue_and_success_after_a_kill(
     pg_server: PostgresServer,
 ) -> None:

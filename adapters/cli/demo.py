@@ -483,7 +483,8 @@ class _Story:
                     f"{scene.task}: {view.run.error} ({policy_text(scene.policy)})"
                 )
             elif view.run.status is RunStatus.FAILED:
-                task_failed.append(f"{scene.task}: {view.run.error}")
+                first_line = (view.run.error or "").splitlines()[:1]
+                task_failed.append(f"{scene.task}: {''.join(first_line)}")
             else:
                 unaffected.append(f"{scene.task}: {view.run.status.value} before the crash")
         sections = (

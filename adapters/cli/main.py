@@ -147,6 +147,7 @@ def _emit(as_json: bool, document: object, text: Callable[[], None]) -> None:
         "status": "ql3.adapters.cli.ops_cmds:status_command",
         "workers": "ql3.adapters.cli.ops_cmds:workers_group",
         "tasks": "ql3.adapters.cli.task_cmds:tasks",
+        "console": "ql3.adapters.cli.console_cmds:console",
     },
 )
 @click.version_option(package_name="ql3-runtime", prog_name="ql3", message="%(prog)s %(version)s")

@@ -152,6 +152,19 @@ def _importable_cwd() -> None:
     show_default=True,
     help="json: one JSON object per line.",
 )
+@click.option(
+    "--console-port",
+    type=click.IntRange(1, 65535),
+    default=None,
+    help="Serve the operator console on this port too (ADR 0020).",
+)
+@click.option("--console-host", default="127.0.0.1", show_default=True)
+@click.option(
+    "--console-users-file",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Who signs in to the console (needed off loopback); see `ql3 console`.",
+)
 def standalone_command(
     app_spec: str,
     database_path: str,
@@ -160,8 +173,16 @@ def standalone_command(
     lease_ttl: float | None,
     drain_timeout: float | None,
     log_format: str,
+    console_port: int | None,
+    console_host: str,
+    console_users_file: str | None,
 ) -> None:
     """Execute the tasks of --app on an embedded database until SIGTERM or SIGINT."""
+    console_users = None
+    if console_port is not None:
+        from ql3.adapters.cli.console_cmds import load_console_users
+
+        console_users = load_console_users(console_users_file, console_host)
     with _start_up_uncollected():
         from ql3.adapters import logs
         from ql3.adapters.execution import AppLoadError, load_app
@@ -190,11 +211,45 @@ def standalone_command(
             else:
                 from ql3.bootstrap import standalone as profile  # type: ignore[no-redef]
         container = profile.build(**settings)
+    stop_console: Callable[[], None] | None = None
     try:
+        if console_port is not None:
+            stop_console = _serve_console(
+                settings["database_path"], console_host, console_port, console_users or {}
+            )
+            emit(f"ql3 console on http://{console_host}:{console_port}/")
         runner = container.runner(tasks=tasks, emit=emit)
         with _stop_on_signals(runner.request_stop):
             name = "edge" if edge else "standalone"
             emit(f"ql3 {name} on {settings['database_path']}: tasks {', '.join(sorted(tasks))}")
             runner.serve()
     finally:
+        if stop_console is not None:
+            stop_console()
         container.store().close()
+
+
+def _serve_console(
+    database_path: str, host: str, port: int, users: dict[str, Any]
+) -> Callable[[], None]:
+    """The console beside this process, on a thread and a store of its own (ADR 0020)."""
+    from ql3.bootstrap import console
+    from ql3.bootstrap.producer import open_sqlite_store
+
+    store = open_sqlite_store(database_path)
+    built = console.build(
+        store, users=users or None, anonymous=None if users else console.LOCAL_OPERATOR
+    )
+    try:
+        stop = console.serve_in_thread(built, host, port)
+    except console.ConsoleUnavailable as error:
+        store.close()
+        from ql3.adapters.cli.main import Failure
+
+        raise Failure(str(error)) from None
+
+    def stop_and_close() -> None:
+        stop()
+        store.close()
+
+    return stop_and_close

@@ -160,3 +160,20 @@ def run_awaitable(awaitable: Any) -> Any:
     if "error" in outcome:
         raise outcome["error"]
     return outcome.get("value")
+
+
+def describe_failure(error: BaseException, limit: int) -> str:
+    """What a failed task reports as its error: the exception's type and message on the first
+    line, then, after a blank line, its traceback (the innermost frames kept when it is long);
+    at most ``limit`` characters."""
+    import traceback
+
+    head = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+    head = head[:limit]
+    frames = "".join(traceback.format_exception(error)).rstrip()
+    room = limit - len(head) - 2
+    if room < 200:
+        return head
+    if len(frames) > room:
+        frames = "...\n" + frames[-(room - 4) :]
+    return f"{head}\n\n{frames}"

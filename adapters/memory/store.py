@@ -24,12 +24,20 @@ from typing import TYPE_CHECKING
 from attrs import evolve
 
 from ql3.adapters.batches import OneAtATime
-from ql3.adapters.memory import scheduling
+from ql3.adapters.memory import browse, scheduling
 from ql3.adapters.memory.clock import FakeClock
 from ql3.adapters.memory.credentials import MemoryCredentialRepository
 from ql3.adapters.memory.history import MemoryHistoryRepository
 from ql3.adapters.memory.state import State
 from ql3.application.budgets import check_page_limit
+from ql3.application.console import (
+    Count,
+    FinishedBucket,
+    RunCursor,
+    RunFilter,
+    RunOrder,
+    RunPage,
+)
 from ql3.application.ports import (
     ClaimLock,
     CredentialRepository,
@@ -56,6 +64,7 @@ from ql3.application.ports import (
 )
 from ql3.domain.dispatch import TaskLimit
 from ql3.domain.errors import ConcurrencyConflict
+from ql3.domain.events import EventType
 from ql3.domain.guards import CLAIMABLE_RUN, LEASE_LIVE, fence_matches, holds
 from ql3.domain.model import (
     Attempt,
@@ -646,6 +655,61 @@ class MemoryStore:
                     )[:limit]
                 ),
             )
+
+    # RunBrowser: the console's reads (ADR 0020)
+
+    def _snapshot(self) -> tuple[State, int]:
+        with self._lock:
+            return self._committed()
+
+    def browse_runs(
+        self, where: RunFilter, order: RunOrder, after: RunCursor | None, limit: int
+    ) -> RunPage:
+        state, now = self._snapshot()
+        return browse.browse(state.runs.values(), now, where, order, after, limit)
+
+    def count_runs(self, where: RunFilter, cap: int) -> Count:
+        state, _ = self._snapshot()
+        return browse.count(state.runs.values(), where, cap)
+
+    def finished_between(
+        self, since_ms: int, bucket_ms: int
+    ) -> tuple[int, Sequence[FinishedBucket]]:
+        state, now = self._snapshot()
+        return now, browse.buckets(state.runs.values(), since_ms, bucket_ms)
+
+    def finished_counts(self, since_ms: int) -> Mapping[tuple[str, str], int]:
+        state, _ = self._snapshot()
+        return browse.finished_counts(state.runs.values(), since_ms)
+
+    def task_durations(self, since_ms: int, limit: int) -> Mapping[str, Sequence[int]]:
+        state, _ = self._snapshot()
+
+        def attempts_of(run_id: str) -> Sequence[Attempt]:
+            return [state.attempts[i] for i in state.run_attempts.get(run_id, ())]
+
+        return browse.durations(state.runs.values(), attempts_of, since_ms, limit)
+
+    def status_counts(self, cap: int) -> Mapping[RunStatus, Count]:
+        state, _ = self._snapshot()
+        runs = list(state.runs.values())
+        return {s: browse.count(runs, RunFilter(statuses=(s,)), cap) for s in RunStatus}
+
+    def last_event_sequence(self) -> int:
+        state, _ = self._snapshot()
+        return state.last_sequence
+
+    def runs_again_of(self, run_id: str, after_sequence: int) -> Sequence[str]:
+        state, _ = self._snapshot()
+        found = sorted(
+            (stored.sequence, stored.event.run_id)
+            for events in state.events.values()
+            for stored in events
+            if stored.sequence > after_sequence
+            and stored.event.type is EventType.RUN_ADMITTED
+            and stored.event.data.get("again_of") == run_id
+        )
+        return [found_id for _, found_id in found[:20]]
 
     # LostRetryCandidateSource
 

@@ -25,7 +25,7 @@ import re
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
@@ -936,6 +936,60 @@ class PostgresStore:
             for row in found
         )
         return Page(items=items[:limit], has_more=len(items) > limit, observed_at_ms=now)
+
+    # RunBrowser: the console's reads (ADR 0020), each in a read-only snapshot
+
+    @cached_property
+    def _browser(self) -> Any:
+        from ql3.adapters.postgres import browse
+        from ql3.adapters.sql.browse import SqlRunBrowser
+
+        return SqlRunBrowser(
+            self._console_read,
+            queries.POSTGRES,
+            millis=browse.millis,
+            contains=browse.contains,
+            data_is=browse.data_is,
+            estimate=browse.estimate,
+        )
+
+    @contextmanager
+    def _console_read(self) -> Iterator[tuple[Connection, int]]:
+        with self.engine.connect() as connection:
+            # The console's statements bound a range of time (a window, a cursor): planned for
+            # their values, not generically as the store's other statements are (a generic plan
+            # guesses that a third of the table is in range, and reads it all). LOCAL: the
+            # setting ends with this transaction, and the pooled connection keeps its own.
+            connection.exec_driver_sql("SET LOCAL plan_cache_mode = force_custom_plan")
+            now = int(connection.execute(queries.now_statement(self._clock_offset_ms)).scalar_one())
+            try:
+                yield connection, now
+            finally:
+                connection.rollback()
+
+    def browse_runs(self, where: Any, order: Any, after: Any, limit: int) -> Any:
+        return self._browser.browse_runs(where, order, after, limit)
+
+    def count_runs(self, where: Any, cap: int) -> Any:
+        return self._browser.count_runs(where, cap)
+
+    def finished_between(self, since_ms: int, bucket_ms: int) -> Any:
+        return self._browser.finished_between(since_ms, bucket_ms)
+
+    def finished_counts(self, since_ms: int) -> Any:
+        return self._browser.finished_counts(since_ms)
+
+    def task_durations(self, since_ms: int, limit: int) -> Any:
+        return self._browser.task_durations(since_ms, limit)
+
+    def last_event_sequence(self) -> int:
+        return int(self._browser.last_event_sequence())
+
+    def status_counts(self, cap: int) -> Any:
+        return self._browser.status_counts(cap)
+
+    def runs_again_of(self, run_id: str, after_sequence: int) -> Any:
+        return self._browser.runs_again_of(run_id, after_sequence)
 
 
 if TYPE_CHECKING:

@@ -380,6 +380,31 @@ Index(
     sqlite_where=text(PRUNABLE_RUN),
 )
 
+# The operator console (ADR 0020): the runs list by status, newest or oldest first, and the
+# count of a status (exact up to its cap) walk this index whatever the finished history holds;
+# the workflows page lists the workflow aggregates, which are few, from the second. The first
+# holds every Run, but is partial on a predicate true of each of them that only the console's
+# statements name: a planner takes a partial index only for a statement whose predicate implies
+# the index's, so no other statement's plan can change for it (SQLite, without statistics, would
+# otherwise prefer it to ``ix_runs_finished`` for a prune).
+CONSOLE_LISTED_RUN = "created_at IS NOT NULL"
+Index(
+    "ix_runs_status_created",
+    runs.c.status,
+    runs.c.created_at,
+    runs.c.id,
+    postgresql_where=text(CONSOLE_LISTED_RUN),
+    sqlite_where=text(CONSOLE_LISTED_RUN),
+)
+WORKFLOW_RUN = "owner = 'workflow'"
+Index(
+    "ix_runs_workflows",
+    runs.c.created_at,
+    runs.c.id,
+    postgresql_where=text(WORKFLOW_RUN),
+    sqlite_where=text(WORKFLOW_RUN),
+)
+
 _ACTIVE_ATTEMPT = _one_of("status", _names(NON_TERMINAL_ATTEMPT_STATUSES))
 
 run_attempts = Table(

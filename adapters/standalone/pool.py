@@ -26,12 +26,14 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ql3.adapters.execution import TaskContext, TaskMapping, invoke_task
+from ql3.adapters.execution import TaskContext, TaskMapping, describe_failure, invoke_task
 from ql3.adapters.worker.ledger import Ledger
 from ql3.adapters.worker.slot import Job, JobOutcome
 from ql3.domain.model import JsonValue
 
 MAX_ERROR_LENGTH = 2_000
+# A task's error carries its traceback (ADR 0020).
+MAX_TASK_ERROR_LENGTH = 10_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,7 +178,11 @@ def execute_grant(
         output = invoke_task(tasks[grant.task], grant.input, context, run=run)
         return Outcome(attempt_id=grant.attempt_id, succeeded=True, output=output)
     except BaseException as error:
-        return Outcome(attempt_id=grant.attempt_id, succeeded=False, error=describe_error(error))
+        return Outcome(
+            attempt_id=grant.attempt_id,
+            succeeded=False,
+            error=describe_failure(error, MAX_TASK_ERROR_LENGTH),
+        )
 
 
 class PoolSlot:

@@ -522,7 +522,9 @@ class StandaloneRunner:
             elif held.timed_out:
                 line = f"{label} {timed_out_error(grant.timeout_ms or 0)}"
             else:
-                line = f"{label} failed: {outcome.error}"
+                # The first line: the error's type and message (its traceback stays on the run).
+                first = (outcome.error or "").splitlines()[:1]
+                line = f"{label} failed: {first[0] if first else ''}"
         elif event is Event.STOPPED_CANCELLED and held.attempt_id in self._left_running:
             line = f"{label} left running: its run was cancelled (outcome discarded)"
         elif event is Event.RELEASED:

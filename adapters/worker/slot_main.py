@@ -16,7 +16,14 @@ import signal
 import sys
 from typing import Any, TextIO
 
-from ql3.adapters.execution import AppLoadError, TaskContext, invoke_task, is_async_task, load_app
+from ql3.adapters.execution import (
+    AppLoadError,
+    TaskContext,
+    describe_failure,
+    invoke_task,
+    is_async_task,
+    load_app,
+)
 
 PR_SET_PDEATHSIG = 1
 CANCEL_SIGNAL = signal.SIGUSR1
@@ -85,7 +92,7 @@ def _run(tasks: dict[str, Any], job: dict[str, Any]) -> dict[str, Any]:
     except Cancelled:
         return {"ok": False, "error": "cancelled by the worker", "cancelled": True}
     except (Exception, SystemExit) as error:
-        return {"ok": False, "error": f"{type(error).__name__}: {error}"[:10_000]}
+        return {"ok": False, "error": describe_failure(error, 10_000)}
 
 
 def main(argv: list[str]) -> int:

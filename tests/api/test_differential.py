@@ -42,7 +42,8 @@ def _script(rt: ql3.Runtime, run_due: Callable[[], int]) -> list[Any]:
                 info.status,
                 info.input,
                 info.output,
-                info.error,
+                # The first line: the traceback after it names each executor's own frames.
+                info.error.splitlines()[0] if info.error else None,
                 info.attempts,
                 info.policy,
             )

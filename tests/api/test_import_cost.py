@@ -8,7 +8,17 @@ import subprocess
 import sys
 from pathlib import Path
 
-HEAVY = ("fastapi", "starlette", "uvicorn", "pydantic", "dependency_injector", "psycopg")
+HEAVY = (
+    "fastapi",
+    "starlette",
+    "uvicorn",
+    "pydantic",
+    "dependency_injector",
+    "psycopg",
+    "jinja2",
+    "ql3.adapters.console.app",
+    "ql3.bootstrap.console",
+)
 # What ``ql3 submit`` does without: the stores' SQL toolkit and migrations, the other commands
 # and what only they use (the worker, the ingress, triggers, workflows, credentials, metrics).
 SUBMIT_HEAVY = (
@@ -25,6 +35,8 @@ SUBMIT_HEAVY = (
     "ql3.adapters.cli.credential_cmds",
     "ql3.adapters.cli.ops_cmds",
     "ql3.adapters.cli.task_cmds",
+    "ql3.adapters.cli.console_cmds",
+    "ql3.application.console_actions",
     "ql3.adapters.worker",
     "ql3.application.ports",
     "ql3.application.worker_commands",

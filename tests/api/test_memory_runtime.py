@@ -54,7 +54,9 @@ def test_submit_run_due_and_read(rt: InMemoryRuntime) -> None:
     assert rt.get(ok).succeeded and rt.get(ok).output == {"a": 1}
     failed = rt.get(bad)
     assert failed.status is RunStatus.FAILED
-    assert failed.error == "ValueError: bad payload 7"
+    assert failed.error is not None
+    assert failed.error.splitlines()[0] == "ValueError: bad payload 7"
+    assert "Traceback (most recent call last)" in failed.error
     assert rt.get(doubled).output == 42  # an async def task, run to its end inline
     assert rt.events(ok) == ["run_admitted", "attempt_started", "attempt_succeeded"]
 

@@ -73,7 +73,7 @@ def test_exhausted_attempts_fail_the_run(rt: InMemoryRuntime) -> None:
         rt.advance(seconds=seconds)
     info = rt.get(run_id)
     assert (info.status, info.attempts) == (RunStatus.FAILED, 3)
-    assert info.error == "RuntimeError: failure 3"
+    assert info.error is not None and info.error.splitlines()[0] == "RuntimeError: failure 3"
 
 
 def test_an_async_task_past_its_timeout_is_cancelled_and_fails(rt: InMemoryRuntime) -> None:

@@ -41,7 +41,9 @@ def test_a_task_raising_twice_succeeds_on_attempt_3(cluster: Cluster, ledger: Le
     assert document["status"] == "succeeded"
     assert document["output"] == {"attempt": 3}
     assert [a["status"] for a in document["attempts"]] == ["failed", "failed", "succeeded"]
-    assert document["attempts"][0]["error"] == "RuntimeError: attempt 1 fails"
+    first_error = document["attempts"][0]["error"]
+    assert first_error.splitlines()[0] == "RuntimeError: attempt 1 fails"
+    assert "Traceback (most recent call last)" in first_error
     failures = _failed_events(document)
     assert [(f["cause"], f["retry"], f["next_attempt"]) for f in failures] == [
         ("error", True, 2),

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 from alembic import command
+from alembic.script import ScriptDirectory
 from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.pool import NullPool
@@ -28,6 +29,7 @@ from tests.postgres_server import PostgresServer, create_database, drop_database
 
 BASELINE = "r0001_baseline"
 LATER = "r0002_retry_on_error_safety"
+HEAD = "r0003_console_indexes"
 VERSIONS = MIGRATIONS / "versions"
 CHECK = (
     "SELECT count(*) FROM pg_constraint WHERE conname = 'ck_runs_retry_on_error_safety'"
@@ -63,7 +65,9 @@ def _downgrade(engine: Engine, revision: str) -> None:
 def test_the_revisions_are_a_baseline_and_then_one_line(fresh: tuple[str, Engine]) -> None:
     url, _engine = fresh
     assert current_revision(url) is None
-    assert head_revision() == LATER
+    assert head_revision() == HEAD
+    chain = [s.revision for s in ScriptDirectory.from_config(alembic_config()).walk_revisions()]
+    assert chain == [HEAD, LATER, BASELINE]
     upgrade(url, BASELINE)
     assert current_revision(url) == BASELINE
 
@@ -79,7 +83,7 @@ def test_the_baseline_is_upgraded_by_the_later_revision_and_back(
         connection.execute(text(INSERT_RUN), {"id": "unsafe", "safety": "unsafe"})
         connection.execute(text("DELETE FROM runs WHERE id = 'unsafe'"))
         connection.execute(text(INSERT_RUN), {"id": "kept", "safety": "idempotent"})
-    upgrade(url)
+    upgrade(url, LATER)
     assert current_revision(url) == LATER
     with engine.begin() as connection:
         assert connection.execute(text(CHECK)).scalar_one() == 1
@@ -113,7 +117,7 @@ def test_the_baseline_downgrade_leaves_nothing_behind(fresh: tuple[str, Engine])
         ).scalar_one()
         assert functions == 0
     upgrade(url)  # and up again
-    assert current_revision(url) == LATER
+    assert current_revision(url) == HEAD
 
 
 def test_a_database_made_before_the_baseline_is_refused_and_left_alone(
@@ -150,13 +154,16 @@ def test_a_revision_runs_only_its_own_frozen_text() -> None:
     """No revision imports another, reads another's file or the live functions.sql, or imports
     the application (whose declarations change after the revision is frozen)."""
     revisions = sorted(VERSIONS.glob("*.py"))
-    assert [path.stem for path in revisions] == [BASELINE, LATER]
+    assert [path.stem for path in revisions] == [BASELINE, LATER, HEAD]
     for path in revisions:
         source = path.read_text(encoding="utf-8")
         assert "importlib" not in source, path.name
         assert not re.search(r"^\s*(from|import) ql3", source, re.MULTILINE), path.name
         assert "functions.sql" not in source, path.name
+        # A revision names the one it revises, and no other.
+        revises = re.search(r'^down_revision = "(\w+)"', source, re.MULTILINE)
+        named = {revises.group(1)} if revises else set()
         others = [other.stem for other in revisions if other != path]
-        assert not any(other in source for other in others if other != BASELINE), path.name
+        assert not any(other in source for other in others if other not in named), path.name
     frozen = sorted(path.name for path in VERSIONS.glob("*.sql"))
     assert frozen == [f"{BASELINE}.sql"]

@@ -48,7 +48,9 @@ def test_tasks_run_and_complete_with_their_outputs(node: LocalNode, ledger: Ledg
             2,
         )
     assert node.run(failing).status is RunStatus.FAILED
-    assert node.run(failing).error == "RuntimeError: nope"
+    error = node.run(failing).error
+    assert error is not None and error.splitlines()[0] == "RuntimeError: nope"
+    assert "Traceback (most recent call last)" in error
     assert len(ledger.entries("double")) == 6
     assert len({e["pid"] for e in ledger.entries()}) <= 3  # three slots, reused
     with node.store.unit_of_work() as uow:

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import time
 
-# PRAGMA user_version of a database the store created: the baseline of ADR 0022, numbered past
-# the versions 1 to 4 it replaces so that a file of one of them is refused, as any other value
-# is. A later change of the schema takes the next number and its own upgrade step.
-SCHEMA_VERSION = 5
+# PRAGMA user_version of a database the store created. The baseline of ADR 0022 is version 5,
+# numbered past the versions 1 to 4 it replaces so that a file of one of them is refused; each
+# later change of the schema takes the next number and its own upgrade step, and a database of
+# UPGRADABLE_VERSIONS is upgraded in place when it is opened. Any other value is refused.
+SCHEMA_VERSION = 6
+UPGRADABLE_VERSIONS = (5,)
 
 
 def connection_pragmas(*, busy_timeout_ms: int, synchronous: str, wal: bool) -> list[str]:

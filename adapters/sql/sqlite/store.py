@@ -25,9 +25,11 @@ Wake-ups
     (:mod:`ql3.adapters.sql.sqlite.wake`), so an idle executing process starts at once without
     polling.
 Schema
-    ``PRAGMA user_version`` is :data:`SCHEMA_VERSION`, the baseline (ADR 0022): a new database
-    gets the declared schema of :mod:`ql3.adapters.sql.schema`; a database of any other version
-    is refused with :class:`SchemaMismatch` (a database made before the baseline is recreated).
+    ``PRAGMA user_version`` is :data:`SCHEMA_VERSION`: a new database gets the declared schema
+    of :mod:`ql3.adapters.sql.schema`; a database of the baseline, version 5 (ADR 0022), gets
+    the operator console's indexes (ADR 0020) when it is opened and becomes version 6; a
+    database of any other version is refused with :class:`SchemaMismatch` (a database made
+    before the baseline is recreated).
 
 ``SqliteStore(None)`` (or ``":memory:"``) is a private in-memory database on one connection,
 whose transactions are serialised by a lock: for tests and throw-away containers.
@@ -41,7 +43,7 @@ import sqlite3
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -71,6 +73,7 @@ from ql3.adapters.sql.schema import metadata, runs, worker_sessions
 from ql3.adapters.sql.sqlite import fenced, queries
 from ql3.adapters.sql.sqlite.connection import (
     SCHEMA_VERSION,
+    UPGRADABLE_VERSIONS,
     connection_pragmas,
     host_now_ms,
 )
@@ -555,18 +558,21 @@ class SqliteStore:
             version = int(connection.exec_driver_sql("PRAGMA user_version").scalar_one())
             if version == SCHEMA_VERSION:
                 return
-            if version != 0:
+            if version not in (0, *UPGRADABLE_VERSIONS):
                 raise SchemaMismatch(
                     f"{self.path or MEMORY} has schema version {version}, this store needs "
                     f"{SCHEMA_VERSION}"
                 )
-            existing = connection.exec_driver_sql(
-                "SELECT count(*) FROM sqlite_master WHERE type = 'table'"
-            ).scalar_one()
-            if existing:
-                raise SchemaMismatch(f"{self.path} is not a QL3 runtime database")
-            metadata.create_all(connection)
-            connection.execute(statements.insert_gate(OPEN_GATE))
+            if version == 0:
+                existing = connection.exec_driver_sql(
+                    "SELECT count(*) FROM sqlite_master WHERE type = 'table'"
+                ).scalar_one()
+                if existing:
+                    raise SchemaMismatch(f"{self.path} is not a QL3 runtime database")
+                metadata.create_all(connection)
+                connection.execute(statements.insert_gate(OPEN_GATE))
+            else:
+                upgrade_from_version_5(connection)
             connection.exec_driver_sql(f"PRAGMA user_version = {SCHEMA_VERSION}")
             connection.commit()
 
@@ -745,6 +751,50 @@ class SqliteStore:
                 spelling=queries.SQLITE,
             )
 
+    # RunBrowser: the console's reads (ADR 0020), each in a read transaction
+
+    @cached_property
+    def _browser(self) -> Any:
+        from ql3.adapters.sql.browse import SqlRunBrowser
+        from ql3.adapters.sql.sqlite import browse
+
+        return SqlRunBrowser(
+            self._console_read,
+            queries.SQLITE,
+            millis=browse.millis,
+            contains=browse.contains,
+            data_is=browse.data_is,
+        )
+
+    @contextmanager
+    def _console_read(self) -> Iterator[tuple[Connection, int]]:
+        with self._transaction(read_only=True) as connection:
+            yield connection, self.now_ms()
+
+    def browse_runs(self, where: Any, order: Any, after: Any, limit: int) -> Any:
+        return self._browser.browse_runs(where, order, after, limit)
+
+    def count_runs(self, where: Any, cap: int) -> Any:
+        return self._browser.count_runs(where, cap)
+
+    def finished_between(self, since_ms: int, bucket_ms: int) -> Any:
+        return self._browser.finished_between(since_ms, bucket_ms)
+
+    def finished_counts(self, since_ms: int) -> Any:
+        return self._browser.finished_counts(since_ms)
+
+    def task_durations(self, since_ms: int, limit: int) -> Any:
+        return self._browser.task_durations(since_ms, limit)
+
+    def last_event_sequence(self) -> int:
+        return int(self._browser.last_event_sequence())
+
+    def status_counts(self, cap: int) -> Any:
+        return self._browser.status_counts(cap)
+
+    def runs_again_of(self, run_id: str, after_sequence: int) -> Any:
+        return self._browser.runs_again_of(run_id, after_sequence)
+
     # due times: what an idle executing process may sleep until
 
     def next_due_at_ms(self) -> int | None:
@@ -763,6 +813,14 @@ class SqliteStore:
 
 def _nothing() -> None:
     return None
+
+
+def upgrade_from_version_5(connection: Connection) -> None:
+    """Version 5 (the baseline) to 6, inside the caller's write transaction: the indexes of the
+    operator console (ADR 0020), rows untouched."""
+    for table in metadata.sorted_tables:
+        for index in table.indexes:
+            index.create(connection, checkfirst=True)
 
 
 NOW = "ql3_now"
