@@ -321,7 +321,9 @@ def fail_workflow(
     if run.status not in (RunStatus.CREATED, RunStatus.RUNNING):
         raise InvalidTransition("run", run.id, run.status.value, "fail as a workflow")
     require_run_edge(run, RunStatus.FAILED, "fail as a workflow")
-    error = f"step {step.step_id} {step.status.value}" + (f": {detail}" if detail else "")
+    # The step's error in its first line (its type and message); a traceback stays on its Run.
+    summary = detail.splitlines()[0] if detail else ""
+    error = f"step {step.step_id} {step.status.value}" + (f": {summary}" if summary else "")
     new_run = evolve(run, status=RunStatus.FAILED, error=error, updated_at_ms=now_ms)
     if reason is None:
         reason = "step_cancelled" if step.status is StepStatus.CANCELLED else "step_failed"

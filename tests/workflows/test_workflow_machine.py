@@ -62,6 +62,8 @@ def test_workflows_with_outputs_keep_their_invariants(
             self.worker = self._worker()
             self.workflows: dict[str, dict[str, dict[str, Any]]] = {}
             self.cancelled: set[str] = set()
+            # workflows that had failed when they were cancelled: they stay failed
+            self.stopped: set[str] = set()
 
         def _worker(self) -> WorkerDriver:
             return WorkerDriver.register(rt.workers, f"w-{self.task}-{next(numbers)}",
@@ -101,12 +103,14 @@ def test_workflows_with_outputs_keep_their_invariants(
         @rule(data=st.data())
         def cancel(self, data: st.DataObject) -> None:
             workflow_id = data.draw(st.sampled_from(sorted(self.workflows)))
+            failed = rt.run(workflow_id).status is RunStatus.FAILED
             try:
                 rt.workflows.cancel(workflow_id, "drawn")
             except InvalidTransition:
                 assert rt.run(workflow_id).status.is_terminal
                 return
-            self.cancelled.add(workflow_id)
+            # A failed workflow's cancel stops the steps still running; it stays failed.
+            (self.stopped if failed else self.cancelled).add(workflow_id)
             for view in rt.workflows.steps(workflow_id):
                 self.worker.fences.pop(view.step.run_id or "", None)  # refused from now on
 
@@ -136,8 +140,12 @@ def test_workflows_with_outputs_keep_their_invariants(
                 if aggregate.status is RunStatus.SUCCEEDED:
                     assert {v.step.status for v in views.values()} == {StepStatus.SUCCEEDED}
                     assert aggregate.output == {s: v.run.output for s, v in views.items()}
-                if workflow_id in self.cancelled:
-                    assert aggregate.status is RunStatus.CANCELLED
+                if workflow_id in self.cancelled | self.stopped:
+                    wanted = (
+                        RunStatus.CANCELLED if workflow_id in self.cancelled
+                        else RunStatus.FAILED
+                    )
+                    assert aggregate.status is wanted
                     for view in views.values():
                         assert view.run is None or view.run.status.is_terminal
 
