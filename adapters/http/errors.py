@@ -17,8 +17,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ql3.adapters.http.schemas import ErrorBody, InvalidRequestBody, Problem
-from ql3.application.worker_commands import SessionUnauthorized, UnknownSession
-from ql3.domain.errors import DomainError, FenceRejected, InvalidAdmission, SessionRejected
+from ql3.adapters.worker.inprocess import refusal
 
 log = logging.getLogger("ql3.ingress")
 
@@ -50,22 +49,15 @@ class ApiError(Exception):
 
 
 def translated(call: Callable[[], T]) -> T:
-    """Run a command; its refusals become :class:`ApiError` (most specific class first)."""
+    """Run a command; its refusals become :class:`ApiError` (:func:`refusal`, the mapping a
+    direct worker's transport shares)."""
     try:
         return call()
-    except UnknownSession as error:
-        raise ApiError(404, "unknown_session", str(error)) from None
-    except SessionUnauthorized:
-        raise ApiError(401, "unauthorized", "wrong session secret") from None
-    except SessionRejected as error:
-        raise ApiError(409, "session_rejected", str(error)) from None
-    except FenceRejected as error:
-        raise ApiError(409, "fence_rejected", str(error), error.reason.value) from None
-    except InvalidAdmission as error:
-        raise ApiError(422, "invalid_request", str(error)) from None
-    except DomainError as error:
-        raise ApiError(409, "conflict", str(error)) from None
-    except Exception as error:  # the store failed: the transaction rolled back
+    except Exception as error:
+        refused = refusal(error)
+        if refused is not None:
+            raise ApiError(refused.status, refused.error, refused.message, refused.reason) from None
+        # the store failed: the transaction rolled back
         log.error("command failed: %s: %s", type(error).__name__, _first_line(error))
         raise ApiError(503, "unavailable", "the store is unavailable; nothing changed") from None
 

@@ -27,11 +27,13 @@ from ql3.adapters.worker.protocol import (
     Fence,
     GrantData,
     Heartbeat,
+    IngressRefused,
     ItemAnswer,
     Registration,
     Release,
 )
 from ql3.application import worker_commands as wc
+from ql3.domain.errors import DomainError, FenceRejected, InvalidAdmission, SessionRejected
 from ql3.domain.fence import LeaseFence
 
 T = TypeVar("T")
@@ -166,6 +168,25 @@ class InProcessTransport:
         if self._session is None:
             raise RuntimeError("register a session first")
         return self._session
+
+
+def refusal(error: BaseException) -> IngressRefused | None:
+    """The worker commands' refusal ``error`` as the ingress answers it (its status and error
+    code, most specific class first); None when ``error`` is not a refusal (the store failed,
+    and its transaction rolled back)."""
+    if isinstance(error, wc.UnknownSession):
+        return IngressRefused(404, "unknown_session", str(error))
+    if isinstance(error, wc.SessionUnauthorized):
+        return IngressRefused(401, "unauthorized", "wrong session secret")
+    if isinstance(error, SessionRejected):
+        return IngressRefused(409, "session_rejected", str(error))
+    if isinstance(error, FenceRejected):
+        return IngressRefused(409, "fence_rejected", str(error), error.reason.value)
+    if isinstance(error, InvalidAdmission):
+        return IngressRefused(422, "invalid_request", str(error))
+    if isinstance(error, DomainError):
+        return IngressRefused(409, "conflict", str(error))
+    return None
 
 
 def _fence(fence: Fence) -> LeaseFence:
