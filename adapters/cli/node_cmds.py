@@ -7,6 +7,7 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
@@ -171,7 +172,32 @@ def serve(
 
 
 @click.command()
-@click.option("--ingress", "ingress_url", required=True, help="The node's URL, http://HOST:PORT.")
+@click.option(
+    "--ingress",
+    "ingress_url",
+    default=None,
+    help="The node's URL, http://HOST:PORT (a worker outside the database's network).",
+)
+@click.option(
+    "--database-url",
+    default=None,
+    help="Call the worker's functions on this database directly, as a role made with `ql3 db "
+    "grant-ingress` (a direct worker) [default: $QL3_WORKER_DATABASE_URL, or the file "
+    "$QL3_WORKER_DATABASE_URL_FILE names].",
+)
+@click.option(
+    "--database-url-file",
+    type=click.Path(exists=True, dir_okay=False, readable=True),
+    default=None,
+    help="A file holding --database-url, read again at each new connection.",
+)
+@click.option(
+    "--lease-ttl",
+    type=click.FloatRange(min=1, max=3600),
+    default=30.0,
+    show_default=True,
+    help="A direct worker's lease TTL in seconds (the node's --lease-ttl for an --ingress worker).",
+)
 @click.option(
     "--app", "app_spec", required=True, help="MODULE:ATTR, a mapping of task names to callables."
 )
@@ -227,7 +253,10 @@ def serve(
 @log_format_option
 @secure.worker_options
 def worker(
-    ingress_url: str,
+    ingress_url: str | None,
+    database_url: str | None,
+    database_url_file: str | None,
+    lease_ttl: float,
     app_spec: str,
     worker_id: str,
     concurrency: int,
@@ -241,8 +270,9 @@ def worker(
     metrics_host: str,
     log_format: str,
 ) -> None:
-    """Run tasks from a node's ingress: claim work for the free slots, run each task in its
-    slot's child process, report it. SIGTERM (or ^C) drains: no new work, running tasks
+    """Run tasks from a node's ingress (--ingress) or from the database itself (--database-url,
+    a direct worker): claim work for the free slots, run each task in its slot's child
+    process, report it. SIGTERM (or ^C) drains: no new work, running tasks
     finish, work granted that never began is handed back, the session closes; a second signal
     stops the tasks at once. Exits 1 when the session is lost or the ingress stays
     unreachable for the lease TTL (at least 5 s)."""
@@ -250,8 +280,16 @@ def worker(
     from ql3.adapters.execution import AppLoadError, load_app
     from ql3.adapters.worker.runtime import Worker, WorkerFailed, WorkerSettings
 
-    if not ingress_url.startswith(("http://", "https://")):
+    url_source = secure.worker_database_url(database_url, database_url_file)
+    if (url_source is None) == (ingress_url is None):
+        raise click.UsageError("give the worker --ingress URL or --database-url URL (one of them)")
+    if ingress_url is not None and not ingress_url.startswith(("http://", "https://")):
         raise click.BadParameter("must start with http:// or https://", param_hint="--ingress")
+    if url_source is not None and (credential_file or ca_file):
+        raise click.UsageError(
+            "a direct worker signs in with its database role: --credential-file and --ca-file "
+            "are for --ingress"
+        )
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # --app names a module of the current directory
     try:
@@ -260,8 +298,11 @@ def worker(
         raise click.BadParameter(str(error), param_hint="--app") from None
     token = os.environ.get("QL3_REGISTRATION_TOKEN") or None
     _configure_logging(log_level, log_format, context={"worker_id": worker_id}, secrets=(token,))
+    client_factory = None
+    if url_source is not None:
+        client_factory = _direct_client(url_source, lease_ttl)
     settings = WorkerSettings(
-        ingress_url=ingress_url,
+        ingress_url=ingress_url or "",
         app_spec=app_spec,
         worker_id=worker_id,
         tasks=tuple(sorted(tasks)),
@@ -272,7 +313,7 @@ def worker(
         registration_token=secure.worker_credential(credential_file),
         ca_file=ca_file,
     )
-    runner = Worker(settings)
+    runner = Worker(settings, client_factory=client_factory)
     if metrics_port is not None:
         from ql3.adapters.prometheus import serve_worker_metrics
 
@@ -295,3 +336,36 @@ def worker(
         raise Failure(str(error)) from None
     if status != 0:
         raise Failure("the worker was stopped before its tasks finished")
+
+
+def _direct_client(url_source: Callable[[], str], lease_ttl_s: float) -> Callable[[Any], Any]:
+    """The direct worker's transport, opened when the worker starts; a database URL that does
+    not name a worker's role is refused with its reason."""
+    from ql3.adapters.cli.main import Failure
+    from ql3.adapters.secrets import FileSecret, SecretUnavailable
+
+    try:
+        url = url_source()
+    except SecretUnavailable as error:
+        raise click.UsageError(str(error)) from None
+    if not url.startswith(("postgresql://", "postgres://", "postgresql+psycopg://")):
+        raise click.BadParameter("must be a postgresql:// URL", param_hint="--database-url")
+
+    def open_transport(_settings: Any) -> Any:
+        from sqlalchemy.exc import DBAPIError
+
+        from ql3.bootstrap.direct_worker import NotAWorkerRole, direct_transport
+
+        try:
+            return direct_transport(
+                url,
+                lease_ttl_s=lease_ttl_s,
+                url_source=url_source if isinstance(url_source, FileSecret) else None,
+            )
+        except NotAWorkerRole as error:
+            raise Failure(str(error)) from None
+        except DBAPIError as error:
+            first = str(error.orig).split("\n", 1)[0] if error.orig else type(error).__name__
+            raise Failure(f"cannot connect to the database: {first}") from None
+
+    return open_transport

@@ -167,6 +167,12 @@ def worker_options(command: F) -> F:
     )(command)
 
 
+def worker_database_url(value: str | None, path: str | None) -> Callable[[], str] | None:
+    """A direct worker's database URL: the option's value or file, else
+    ``$QL3_WORKER_DATABASE_URL`` or the file ``$QL3_WORKER_DATABASE_URL_FILE`` names."""
+    return _source(value, path, "QL3_WORKER_DATABASE_URL")
+
+
 def worker_credential(credential_file: str | None) -> str | None:
     """The bearer a worker registers with, read now (at each start)."""
     source = _source(None, credential_file, "QL3_WORKER_CREDENTIAL")

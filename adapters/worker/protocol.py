@@ -9,7 +9,7 @@ this module."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -253,3 +253,19 @@ class Transport(Protocol):
     def abandon(self, items: Sequence[Abandonment]) -> BatchResult: ...
 
     def release(self, items: Sequence[Release]) -> BatchResult: ...
+
+
+class RemoteTransport(Transport, Protocol):
+    """A transport of a worker process (:class:`ql3.adapters.worker.runtime.Worker`): over
+    HTTP to a node (:class:`ql3.adapters.worker.client.IngressClient`) or to the database
+    itself (:class:`ql3.adapters.worker.direct.DirectTransport`). A call that could not be made
+    is made again for ``retry_budget_s`` (past it while the store is down and
+    ``wait_for_store``), unless ``give_up`` says to stop."""
+
+    retry_budget_s: float
+    give_up: Callable[[], bool]
+    wait_for_store: bool
+
+    def set_timeout(self, timeout_s: float) -> None: ...
+
+    def close_connection(self) -> None: ...

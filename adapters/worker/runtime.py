@@ -40,6 +40,7 @@ from ql3.adapters.worker.client import IngressClient, IngressRefused, IngressUna
 from ql3.adapters.worker.fencing import Watchdog, kill_tasks
 from ql3.adapters.worker.ledger import Ledger, Mode
 from ql3.adapters.worker.pool import ChildFactory, SlotPool
+from ql3.adapters.worker.protocol import RemoteTransport
 from ql3.adapters.worker.reporter import Reporter
 from ql3.adapters.worker.settings import MAX_CAPACITY, Timings, WorkerFailed, WorkerSettings
 
@@ -61,7 +62,7 @@ class Worker:
         self,
         settings: WorkerSettings,
         *,
-        client_factory: Callable[[WorkerSettings], IngressClient] | None = None,
+        client_factory: Callable[[WorkerSettings], RemoteTransport] | None = None,
         child_factory: ChildFactory | None = None,
     ) -> None:
         self.settings = settings
@@ -302,7 +303,7 @@ class Worker:
         self._client.close_connection()
 
 
-def _default_client(settings: WorkerSettings) -> IngressClient:
+def _default_client(settings: WorkerSettings) -> RemoteTransport:
     return IngressClient(
         settings.ingress_url,
         timeout_s=settings.request_timeout_s,

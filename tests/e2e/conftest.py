@@ -144,6 +144,10 @@ class Cluster:
     nodes: list[str] = field(default_factory=list)
     roles: list[str] = field(default_factory=list)
     container: Any = None
+    # How start_worker's workers reach the work: through a node's ingress ("http"), or on the
+    # database as the login role direct_url names (a direct worker, "direct").
+    worker_form: str = "http"
+    direct_url: str | None = None
 
     def __post_init__(self) -> None:
         self.container = cluster_root.build(database_url=self.database_url)
@@ -198,9 +202,14 @@ class Cluster:
                      node: int = 0, name: str | None = None) -> Process:
         """``ql3 worker`` with its defaults but the concurrency: its claims wait at the node
         (a long poll) and pick work up as soon as it is queued."""
+        if self.worker_form == "direct":
+            assert self.direct_url is not None
+            reach = ["--database-url", self.direct_url, "--lease-ttl", str(LEASE_TTL_S)]
+        else:
+            reach = ["--ingress", self.nodes[node]]
         return self._spawn(
             name or f"worker-{worker_id}-{len(self.processes)}",
-            ["worker", "--ingress", self.nodes[node], "--app", "tests.e2e.tasks:app",
+            ["worker", *reach, "--app", "tests.e2e.tasks:app",
              "--worker-id", worker_id, "--concurrency", str(concurrency)],
             env={"QL3_E2E_LEDGER": str(ledger.path), "QL3_E2E_PREFIX": prefix},
         )
