@@ -43,7 +43,6 @@ import signal
 import statistics
 import time
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import psycopg
@@ -62,6 +61,7 @@ from benchmarks.common import (
     throwaway_database,
 )
 from benchmarks.processes import (
+    APP_SPEC,
     Process,
     Processes,
     ServerCpu,
@@ -73,7 +73,8 @@ from benchmarks.processes import (
 )
 from benchmarks.tasks import NOOP
 
-TARGET_RATIO = 1.0
+TARGET_RATIO = 1.0  # direct / PgQueuer
+TARGET_HTTP_RATIO = 0.5  # http / PgQueuer
 TARGET_ADMISSION_FRACTION = 1 / 3  # of PgQueuer's enqueue rate
 SLOTS = 8
 WORKER_ID = "bench-throughput-worker"
@@ -182,7 +183,7 @@ def ql3_round(
     conn: psycopg.Connection[Any],
     admission: Any,
     node: Process,
-    node_url: str,
+    worker_command: list[str],
     runs: int,
     batch: int,
     expected_total: int,
@@ -192,7 +193,7 @@ def ql3_round(
     poller = (conn.info.backend_pid,)
     node_cpu = tree_cpu_seconds(node.pid)
     server_cpu = server.seconds(excluding=poller) if server is not None else None
-    worker = processes.start_worker(node_url, WORKER_ID, WORKER_FLAGS)
+    worker = processes.start("worker", worker_command)
     registered_at: float | None = None
     while True:
         row = conn.execute(_IN_FLIGHT).fetchone()
@@ -324,12 +325,17 @@ def _median_or_none(values: list[float | None], digits: int = 3) -> float | None
 
 
 def _shown_argv(argv: list[str]) -> str:
-    """A command line as printed: the value of ``--ingress-database-url`` without its password."""
+    """A command line as printed: database URLs without their passwords."""
     shown = list(argv)
     for index, flag in enumerate(shown[:-1]):
-        if flag == "--ingress-database-url":
+        if flag in ("--ingress-database-url", "--database-url"):
             shown[index + 1] = make_url(shown[index + 1]).render_as_string(hide_password=True)
     return "ql3 " + " ".join(shown)
+
+
+FORMS = ("direct", "http")
+"""The two forms of a worker (ADR 0026): ``direct`` calls the fenced functions on the database
+as a login role of ``ql3 db grant-ingress``; ``http`` goes through the node's ingress."""
 
 
 def main(args: argparse.Namespace, admin: str) -> int:
@@ -339,122 +345,146 @@ def main(args: argparse.Namespace, admin: str) -> int:
     total = Stopwatch()
     runs = args.runs
     admitted: list[float] = []
-    worked: list[float] = []
-    startup: list[float] = []
+    worked: dict[str, list[float]] = {form: [] for form in FORMS}
+    startup: dict[str, list[float]] = {form: [] for form in FORMS}
+    ratios: dict[str, list[float]] = {form: [] for form in FORMS}
     reference: list[float] = []
     enqueued: list[float] = []
-    ratios: list[float] = []
-    cpu: dict[str, list[float | None]] = {"node": [], "worker": [], "postgres": []}
+    cpu: dict[str, dict[str, list[float | None]]] = {
+        form: {"node": [], "worker": [], "postgres": []} for form in FORMS
+    }
     node_flags: list[str] = []
-    role_scope: AbstractContextManager[str | None] = (
-        ingress_role(admin) if args.ingress_login_role else nullcontext(None)
-    )
     with (
-        role_scope as role,
+        ingress_role(admin) as role,
         migrated_database(admin, "ql3_bench_throughput") as url,
         throwaway_database(admin, "ql3_bench_pgqueuer") as (_, pgqueuer_url),
         Processes(url) as processes,
     ):
         dsn = asyncpg_dsn(pgqueuer_url)
         asyncio.run(install_pgqueuer(dsn))
-        if role is not None:
-            password = secrets.token_urlsafe(16)
-            processes.ql3(
-                "db",
-                "grant-ingress",
-                role,
-                "--password-env",
-                "QL3_BENCH_INGRESS_PASSWORD",
-                env={"QL3_BENCH_INGRESS_PASSWORD": password},
-            )
-            node_flags += ["--ingress-database-url", role_url(url, role, password)]
+        password = secrets.token_urlsafe(16)
+        processes.ql3(
+            "db",
+            "grant-ingress",
+            role,
+            "--password-env",
+            "QL3_BENCH_INGRESS_PASSWORD",
+            env={"QL3_BENCH_INGRESS_PASSWORD": password},
+        )
+        login_url = role_url(url, role, password)
+        if args.ingress_login_role:
+            node_flags += ["--ingress-database-url", login_url]
         container = build(database_url=url)
         try:
             admission = container.core.admission()
             node, node_url = processes.start_node(node_flags)
+            workers = {
+                "http": worker_argv(node_url, WORKER_ID, WORKER_FLAGS),
+                "direct": [
+                    "worker",
+                    "--database-url",
+                    login_url,
+                    "--app",
+                    APP_SPEC,
+                    "--worker-id",
+                    WORKER_ID,
+                    *WORKER_FLAGS,
+                ],
+            }
             node_command = _shown_argv(node_argv(node_flags))
-            worker_command = _shown_argv(worker_argv(node_url, WORKER_ID, WORKER_FLAGS))
+            shown = {form: _shown_argv(argv) for form, argv in workers.items()}
             say(
                 f"throughput: {runs:,} no-op runs per side and round, {args.rounds} round(s);"
-                f" node: {node_command}; worker: {worker_command};"
+                f" node: {node_command}; workers: {shown['direct']} | {shown['http']};"
                 f" PgQueuer {pgqueuer_version} max_concurrent_tasks={SLOTS}"
                 f" batch_size={PGQUEUER_BATCH}"
             )
+            sides = ("direct", "http", "pgqueuer")
+            done = 0
             with connect(url, autocommit=True) as conn:
                 for index in range(1, args.rounds + 1):
-                    ours: dict[str, float | None] = {}
+                    ours: dict[str, dict[str, float | None]] = {}
                     theirs: dict[str, float] = {}
-                    order = ("ql3", "pgqueuer") if index % 2 else ("pgqueuer", "ql3")
-                    for side in order:
-                        if side == "ql3":
-                            ours = ql3_round(
-                                processes,
-                                conn,
-                                admission,
-                                node,
-                                node_url,
-                                runs,
-                                args.admit_batch,
-                                runs * index,
-                            )
-                        else:
+                    shift = (index - 1) % len(sides)
+                    for side in sides[shift:] + sides[:shift]:
+                        if side == "pgqueuer":
                             theirs = pgqueuer_round(dsn, runs)
-                    admitted.append(runs / float(ours["admit_s"] or 0.0))
-                    worked.append(runs / float(ours["work_s"] or 0.0))
-                    startup.append(float(ours["startup_s"] or 0.0))
-                    for name in cpu:
-                        cpu[name].append(ours[f"cpu_ms_{name}"])
+                            continue
+                        done += runs
+                        ours[side] = ql3_round(
+                            processes,
+                            conn,
+                            admission,
+                            node,
+                            workers[side],
+                            runs,
+                            args.admit_batch,
+                            done,
+                        )
                     reference.append(runs / theirs["work_s"])
                     enqueued.append(runs / theirs["enqueue_s"])
-                    ratios.append(worked[-1] / reference[-1])
+                    for form in FORMS:
+                        figures = ours[form]
+                        admitted.append(runs / float(figures["admit_s"] or 0.0))
+                        worked[form].append(runs / float(figures["work_s"] or 0.0))
+                        startup[form].append(float(figures["startup_s"] or 0.0))
+                        for name in cpu[form]:
+                            cpu[form][name].append(figures[f"cpu_ms_{name}"])
+                        ratios[form].append(worked[form][-1] / reference[-1])
                     say(
-                        f"throughput: round {index}/{args.rounds}: admitted {admitted[-1]:,.0f}/s,"
-                        f" worked {worked[-1]:,.0f}/s (start-up {startup[-1]:.2f}s),"
+                        f"throughput: round {index}/{args.rounds}:"
+                        f" direct {worked['direct'][-1]:,.0f}/s,"
+                        f" http {worked['http'][-1]:,.0f}/s,"
                         f" PgQueuer enqueued {enqueued[-1]:,.0f}/s, worked {reference[-1]:,.0f}/s,"
-                        f" ratio {ratios[-1]:.3f}"
+                        f" ratios {ratios['direct'][-1]:.3f} / {ratios['http'][-1]:.3f}"
                     )
         finally:
             container.store().close()
 
-    ratio = statistics.median(ratios)
+    ratio = statistics.median(ratios["direct"])
+    http_ratio = statistics.median(ratios["http"])
     admitted_per_s = statistics.median(admitted)
     pgqueuer_enqueue_per_s = statistics.median(enqueued)
     admission_target = pgqueuer_enqueue_per_s * TARGET_ADMISSION_FRACTION
-    meets_ratio = ratio >= TARGET_RATIO
+    meets_ratio = ratio >= TARGET_RATIO and http_ratio >= TARGET_HTTP_RATIO
     meets_admission = admitted_per_s >= admission_target
     result: dict[str, Any] = {
         "admitted_per_s": round(admitted_per_s, 1),
-        "worked_per_s": round(statistics.median(worked), 1),
+        "direct_worked_per_s": round(statistics.median(worked["direct"]), 1),
+        "http_worked_per_s": round(statistics.median(worked["http"]), 1),
         "pgqueuer_worked_per_s": round(statistics.median(reference), 1),
         "pgqueuer_enqueue_per_s": round(pgqueuer_enqueue_per_s, 1),
         "ratio": round(ratio, 3),
+        "http_ratio": round(http_ratio, 3),
         "target_ratio": TARGET_RATIO,
+        "target_http_ratio": TARGET_HTTP_RATIO,
         "meets_ratio_target": meets_ratio,
         "target_admitted_per_s": round(admission_target, 1),
         "meets_admission_target": meets_admission,
         "meets_target": meets_ratio and meets_admission,
-        "cpu_ms_per_attempt_node": _median_or_none(cpu["node"]),
-        "cpu_ms_per_attempt_worker": _median_or_none(cpu["worker"]),
-        "cpu_ms_per_attempt_postgres": _median_or_none(cpu["postgres"]),
+        **{
+            f"cpu_ms_per_attempt_{name}_{form}": _median_or_none(cpu[form][name])
+            for form in FORMS
+            for name in cpu[form]
+        },
         "runs": runs,
         "rounds": args.rounds,
         "admit_batch": args.admit_batch,
         "slots": SLOTS,
-        "startup_s_median": round(statistics.median(startup), 3),
+        **{
+            f"startup_s_median_{form}": round(statistics.median(startup[form]), 3) for form in FORMS
+        },
         "admitted_per_s_per_round": [round(v, 1) for v in admitted],
-        "worked_per_s_per_round": [round(v, 1) for v in worked],
+        **{f"{form}_worked_per_s_per_round": [round(v, 1) for v in worked[form]] for form in FORMS},
         "pgqueuer_worked_per_s_per_round": [round(v, 1) for v in reference],
         "pgqueuer_enqueue_per_s_per_round": [round(v, 1) for v in enqueued],
-        "ratio_per_round": [round(v, 3) for v in ratios],
-        "cpu_ms_per_attempt_per_round": {
-            name: [None if v is None else round(v, 3) for v in values]
-            for name, values in cpu.items()
-        },
+        **{f"{form}_ratio_per_round": [round(v, 3) for v in ratios[form]] for form in FORMS},
         "node_flags": node_command,
         "ingress": (
             "own login role" if args.ingress_login_role else "default ingress role (SET ROLE)"
         ),
-        "worker_flags": worker_command,
+        "direct_worker_flags": shown["direct"],
+        "http_worker_flags": shown["http"],
         "pgqueuer": (
             f"{pgqueuer_version} asyncpg max_concurrent_tasks={SLOTS}"
             f" batch_size={PGQUEUER_BATCH} drain"
@@ -462,53 +492,71 @@ def main(args: argparse.Namespace, admin: str) -> int:
         "peak_rss_mb": peak_rss_mb(),
         "total_seconds": round(total.seconds(), 1),
     }
+    have_postgres = result["cpu_ms_per_attempt_postgres_direct"] is not None
     postgres_note = (
         "the server's processes, less the poll"
-        if result["cpu_ms_per_attempt_postgres"] is not None
+        if have_postgres
         else "not measured: the server is not a process of this machine"
     )
-    print_table(
-        "No-op throughput: one node + one worker (8 slots) vs PgQueuer (8 slots), medians",
-        [
-            ("runs", runs, "per side and round"),
-            ("rounds", args.rounds, "the sides alternate"),
-            ("admitted_per_s", result["admitted_per_s"], f"submit_many, {args.admit_batch}/tx"),
+    rows: list[tuple[str, Any, str]] = [
+        ("runs", runs, "per side and round"),
+        ("rounds", args.rounds, "the sides take turns"),
+        ("admitted_per_s", result["admitted_per_s"], f"submit_many, {args.admit_batch}/tx"),
+        (
+            "pgqueuer_enqueue_per_s",
+            result["pgqueuer_enqueue_per_s"],
+            "Queries.enqueue, one call per round",
+        ),
+        (
+            "meets_admission_target",
+            meets_admission,
+            f"admitted_per_s >= pgqueuer_enqueue_per_s / 3 = {admission_target:,.1f}",
+        ),
+        ("direct_worked_per_s", result["direct_worked_per_s"], "worker spawn -> all succeeded"),
+        ("http_worked_per_s", result["http_worked_per_s"], "worker spawn -> all succeeded"),
+        ("pgqueuer_worked_per_s", result["pgqueuer_worked_per_s"], result["pgqueuer"]),
+        (
+            "ratio",
+            result["ratio"],
+            f"direct / PgQueuer, per-round median; target >= {TARGET_RATIO}",
+        ),
+        (
+            "http_ratio",
+            result["http_ratio"],
+            f"http / PgQueuer, per-round median; target >= {TARGET_HTTP_RATIO}",
+        ),
+        ("meets_ratio_target", meets_ratio, "both ratios"),
+    ]
+    for form in FORMS:
+        rows += [
             (
-                "pgqueuer_enqueue_per_s",
-                result["pgqueuer_enqueue_per_s"],
-                "Queries.enqueue, one call per round",
-            ),
-            (
-                "meets_admission_target",
-                meets_admission,
-                f"admitted_per_s >= pgqueuer_enqueue_per_s / 3 = {admission_target:,.1f}",
-            ),
-            ("startup_s_median", result["startup_s_median"], "worker spawn -> registered"),
-            ("worked_per_s", result["worked_per_s"], "worker spawn -> all runs succeeded"),
-            ("pgqueuer_worked_per_s", result["pgqueuer_worked_per_s"], result["pgqueuer"]),
-            ("ratio", result["ratio"], f"median of per-round ratios; target >= {TARGET_RATIO}"),
-            ("meets_ratio_target", meets_ratio, ""),
-            (
-                "cpu_ms_per_attempt_node",
-                _or_dash(result["cpu_ms_per_attempt_node"]),
+                f"cpu_ms_per_attempt_node_{form}",
+                _or_dash(result[f"cpu_ms_per_attempt_node_{form}"]),
                 "ql3 serve, during the work",
             ),
             (
-                "cpu_ms_per_attempt_worker",
-                _or_dash(result["cpu_ms_per_attempt_worker"]),
+                f"cpu_ms_per_attempt_worker_{form}",
+                _or_dash(result[f"cpu_ms_per_attempt_worker_{form}"]),
                 "ql3 worker and its slot processes, start-up included",
             ),
             (
-                "cpu_ms_per_attempt_postgres",
-                _or_dash(result["cpu_ms_per_attempt_postgres"]),
+                f"cpu_ms_per_attempt_postgres_{form}",
+                _or_dash(result[f"cpu_ms_per_attempt_postgres_{form}"]),
                 postgres_note,
             ),
-            ("meets_target", result["meets_target"], "both targets"),
-            ("node_flags", "-", result["node_flags"]),
-            ("ingress", "-", result["ingress"]),
-            ("worker_flags", "-", result["worker_flags"]),
-            ("total_seconds", result["total_seconds"], ""),
-        ],
+        ]
+    rows += [
+        ("meets_target", result["meets_target"], "every target"),
+        ("node_flags", "-", result["node_flags"]),
+        ("ingress", "-", result["ingress"]),
+        ("direct_worker_flags", "-", result["direct_worker_flags"]),
+        ("http_worker_flags", "-", result["http_worker_flags"]),
+        ("total_seconds", result["total_seconds"], ""),
+    ]
+    print_table(
+        "No-op throughput: one node + one worker (8 slots), direct and http, vs PgQueuer (8 slots),"
+        " medians",
+        rows,
     )
     if args.json:
         print_json(result)

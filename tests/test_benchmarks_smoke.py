@@ -188,23 +188,30 @@ def test_throughput_benchmark_reports_admission_work_and_pgqueuer(
         result,
         (
             "admitted_per_s",
-            "worked_per_s",
+            "direct_worked_per_s",
+            "http_worked_per_s",
             "pgqueuer_worked_per_s",
             "pgqueuer_enqueue_per_s",
             "ratio",
-            "cpu_ms_per_attempt_node",
-            "cpu_ms_per_attempt_worker",
+            "http_ratio",
+            "cpu_ms_per_attempt_node_http",
+            "cpu_ms_per_attempt_worker_http",
+            "cpu_ms_per_attempt_worker_direct",
         ),
     )
-    # Null only when the server is not a process of this machine.
-    postgres_cpu = result["cpu_ms_per_attempt_postgres"]
-    assert postgres_cpu is None or float(postgres_cpu) > 0, result  # type: ignore[arg-type]
+    for form in ("direct", "http"):
+        # Null only when the server is not a process of this machine.
+        postgres_cpu = result[f"cpu_ms_per_attempt_postgres_{form}"]
+        assert postgres_cpu is None or float(postgres_cpu) > 0, result  # type: ignore[arg-type]
     assert (result["runs"], result["rounds"], result["slots"]) == (40, 1, 8)
-    ratio = float(result["ratio"])  # type: ignore[arg-type]
-    ours = float(result["worked_per_s"])  # type: ignore[arg-type]
     theirs = float(result["pgqueuer_worked_per_s"])  # type: ignore[arg-type]
-    assert ratio == pytest.approx(ours / theirs, rel=0.01)
-    assert result["meets_ratio_target"] is (ratio >= 1.0)
+    ratio = float(result["ratio"])  # type: ignore[arg-type]
+    http_ratio = float(result["http_ratio"])  # type: ignore[arg-type]
+    direct = float(result["direct_worked_per_s"])  # type: ignore[arg-type]
+    http = float(result["http_worked_per_s"])  # type: ignore[arg-type]
+    assert ratio == pytest.approx(direct / theirs, rel=0.01)
+    assert http_ratio == pytest.approx(http / theirs, rel=0.01)
+    assert result["meets_ratio_target"] is (ratio >= 1.0 and http_ratio >= 0.5)
     admitted = float(result["admitted_per_s"])  # type: ignore[arg-type]
     enqueued = float(result["pgqueuer_enqueue_per_s"])  # type: ignore[arg-type]
     assert result["meets_admission_target"] is (admitted >= enqueued / 3)
@@ -214,9 +221,13 @@ def test_throughput_benchmark_reports_admission_work_and_pgqueuer(
     # The node and the worker run at their defaults, but for the worker's slots.
     assert str(result["node_flags"]).startswith("ql3 serve --port 0 --ingress-database-url ")
     assert "***" in str(result["node_flags"]), "the ingress role's password is printed"
-    worker_flags = str(result["worker_flags"])
+    worker_flags = str(result["http_worker_flags"])
     assert worker_flags.startswith("ql3 worker --ingress http://127.0.0.1:")
     assert worker_flags.endswith(" --concurrency 8")
+    direct_flags = str(result["direct_worker_flags"])
+    assert direct_flags.startswith("ql3 worker --database-url postgresql"), direct_flags
+    assert "***" in direct_flags, "the direct worker's password is printed"
+    assert direct_flags.endswith(" --concurrency 8")
     table = done.stdout.strip().splitlines()[:-1]
     assert any(line.startswith("pgqueuer_worked_per_s") for line in table), done.stdout
     assert result["ingress"] == "own login role"
