@@ -29,7 +29,8 @@ from tests.postgres_server import PostgresServer, create_database, drop_database
 
 BASELINE = "r0001_baseline"
 LATER = "r0002_retry_on_error_safety"
-HEAD = "r0003_console_indexes"
+CONSOLE = "r0003_console_indexes"
+HEAD = "r0004_claim_reads_by_key"
 VERSIONS = MIGRATIONS / "versions"
 CHECK = (
     "SELECT count(*) FROM pg_constraint WHERE conname = 'ck_runs_retry_on_error_safety'"
@@ -67,7 +68,7 @@ def test_the_revisions_are_a_baseline_and_then_one_line(fresh: tuple[str, Engine
     assert current_revision(url) is None
     assert head_revision() == HEAD
     chain = [s.revision for s in ScriptDirectory.from_config(alembic_config()).walk_revisions()]
-    assert chain == [HEAD, LATER, BASELINE]
+    assert chain == [HEAD, CONSOLE, LATER, BASELINE]
     upgrade(url, BASELINE)
     assert current_revision(url) == BASELINE
 
@@ -154,7 +155,7 @@ def test_a_revision_runs_only_its_own_frozen_text() -> None:
     """No revision imports another, reads another's file or the live functions.sql, or imports
     the application (whose declarations change after the revision is frozen)."""
     revisions = sorted(VERSIONS.glob("*.py"))
-    assert [path.stem for path in revisions] == [BASELINE, LATER, HEAD]
+    assert [path.stem for path in revisions] == [BASELINE, LATER, CONSOLE, HEAD]
     for path in revisions:
         source = path.read_text(encoding="utf-8")
         assert "importlib" not in source, path.name

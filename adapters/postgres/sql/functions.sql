@@ -761,6 +761,7 @@ DECLARE
     v_after_at timestamptz;
     v_after_id text;
     v_locked text[] := '{}';
+    v_locked_tasks text[] := '{}';
     v_candidates json := '[]'::json;
     v_by_task json := '{}'::json;
     v_limits json := '{}'::json;
@@ -839,24 +840,30 @@ BEGIN
                 END LOOP;
                 EXIT WHEN v_taken >= p_limit OR v_seen < p_limit + 16;
             END LOOP;
+            IF v_taken > 0 THEN
+                v_locked_tasks := v_locked_tasks || v_task;
+            END IF;
         END LOOP;
-        -- What was locked, read once (and built into JSON once), in the order it was locked.
-        SELECT coalesce(json_agg(json_build_object(
-                   'run', row_to_json(r),
-                   'attempt', row_to_json(a),
-                   'lease', (SELECT row_to_json(l) FROM run_dispatch_leases AS l
-                             WHERE l.run_id = r.id ORDER BY l.generation DESC LIMIT 1))
-                   ORDER BY k.n), '[]'::json)
+        -- What was locked, read once (and built into JSON once), in the order it was locked:
+        -- each by its key (OFFSET 0 keeps the lookup per key, whatever the statistics say of
+        -- the tables' size).
+        SELECT coalesce(json_agg(f.found ORDER BY k.n), '[]'::json)
         INTO v_candidates
         FROM unnest(v_locked) WITH ORDINALITY AS k(id, n)
-        JOIN run_attempts AS a ON a.id = k.id
-        JOIN runs AS r ON r.id = a.run_id;
+        CROSS JOIN LATERAL (
+            SELECT json_build_object(
+                       'run', row_to_json(r),
+                       'attempt', row_to_json(a),
+                       'lease', (SELECT row_to_json(l) FROM run_dispatch_leases AS l
+                                 WHERE l.run_id = r.id ORDER BY l.generation DESC LIMIT 1))
+                   AS found
+            FROM run_attempts AS a JOIN runs AS r ON r.id = a.run_id
+            WHERE a.id = k.id
+            OFFSET 0) AS f;
         SELECT coalesce(json_object_agg(f.task, f.n), '{}'::json) INTO v_by_task
         FROM (SELECT r.task, count(*) AS n
               FROM run_dispatch_leases AS l JOIN runs AS r ON r.id = l.run_id
-              WHERE l.status = 'leased' AND r.task IN (
-                  SELECT c.task FROM runs AS c JOIN run_attempts AS a ON a.run_id = c.id
-                  WHERE a.id = ANY (v_locked))
+              WHERE l.status = 'leased' AND r.task = ANY (v_locked_tasks)
               GROUP BY r.task) AS f;
     END IF;
 
@@ -893,23 +900,27 @@ BEGIN
         END IF;
     END LOOP;
     -- A statement of its own, once every lock is held: its snapshot sees every commit made
-    -- before each lock was granted.
+    -- before each lock was granted. Each Attempt is read by its key (OFFSET 0 keeps the
+    -- lookup per key, whatever the statistics say of the tables' size).
     SELECT json_agg(CASE
                WHEN NOT k.got THEN json_build_object('locked', false)
-               WHEN a.id IS NULL THEN 'null'::json
-               ELSE json_build_object(
+               WHEN f.found IS NULL THEN 'null'::json
+               ELSE f.found
+               END ORDER BY k.n)
+    INTO v_found
+    FROM unnest(p_attempt_ids, v_got) WITH ORDINALITY AS k(id, got, n)
+    LEFT JOIN LATERAL (
+        SELECT json_build_object(
                    'run', row_to_json(r),
                    'attempt', row_to_json(a),
                    'lease', (SELECT row_to_json(l) FROM run_dispatch_leases AS l
                              WHERE l.run_id = a.run_id
                                AND (a.lease_generation IS NULL
                                     OR l.generation = a.lease_generation)
-                             ORDER BY l.generation DESC LIMIT 1))
-               END ORDER BY k.n)
-    INTO v_found
-    FROM unnest(p_attempt_ids, v_got) WITH ORDINALITY AS k(id, got, n)
-    LEFT JOIN run_attempts AS a ON a.id = k.id AND k.got
-    LEFT JOIN runs AS r ON r.id = a.run_id;
+                             ORDER BY l.generation DESC LIMIT 1)) AS found
+        FROM run_attempts AS a JOIN runs AS r ON r.id = a.run_id
+        WHERE a.id = k.id AND k.got
+        OFFSET 0) AS f ON true;
     RETURN json_build_object(
         'snapshots', v_found,
         'observed_at', floor(extract(epoch FROM statement_timestamp()) * 1000)::bigint);
