@@ -45,7 +45,8 @@ refused, not as a job. Per system, phase by phase:
   that started.
 * ``dead_tuples``: ``sum(n_dead_tup)`` over the system's database at the end of the phase.
 
-Every system's processes (QL3: two nodes and two workers; each peer: two consumers; each worker
+Every system's processes (QL3: two nodes and two workers, direct workers on the database by
+default, ``--ql3-workers http`` for workers of the nodes; each peer: two consumers; each worker
 or consumer runs 8 tasks at once, so that one alone has room for the offered load) are
 supervised: one that exits unasked is started again (``restarts`` in the details). The JSON
 object's ``details`` say per phase how many jobs were refused, finished, waited for evidence,
@@ -153,6 +154,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=tuple(SYSTEMS),
         metavar="S,S",
         help=f"systems to run, of {','.join(SYSTEMS)}",
+    )
+    parser.add_argument(
+        "--ql3-workers",
+        choices=("direct", "http"),
+        default="direct",
+        help="QL3's workers: direct (--database-url, the default) or of the nodes (--ingress)",
     )
     for flag, high, default, metavar, meaning in (
         (
@@ -564,6 +571,7 @@ def run_system(
         cadence_s=args.cadence,
         task_seconds=args.task_seconds,
         ledger=ledger,
+        ql3_workers=args.ql3_workers,
     )
     with Processes(url) as processes:
         system = SYSTEMS[name](url, processes, settings)
@@ -767,6 +775,7 @@ def main(args: argparse.Namespace, admin: str) -> int:
                     "task_seconds": args.task_seconds,
                     "lease_ttl_s": args.lease_ttl,
                     "cadence_s": args.cadence,
+                    "ql3_workers": args.ql3_workers,
                     "slots_per_worker": SLOTS,
                     "server": SERVER_SETTINGS,
                     "rate_window_s": WINDOW_S,

@@ -2,7 +2,9 @@
 producer it can call, and a verdict on every job at the end.
 
 * **QL3**: two ``ql3 serve`` nodes (fixed ports, so a restarted node keeps its URL) and two
-  ``ql3 worker`` processes, worker *i* on node *i*, on one migrated database. Jobs are Runs of
+  ``ql3 worker`` processes on one migrated database: direct workers (``--database-url``, as a
+  login role made by ``ql3 db grant-ingress``; ADR 0026) by default, or with ``--ql3-workers
+  http`` workers of the nodes (``--ingress``), worker *i* on node *i*. Jobs are Runs of
   ``bench.ledger`` admitted with ``Admission.submit`` in turn with three policies: idempotent
   with retry on lost, unsafe (retry on lost asked for, which an unsafe Run never gets) and no
   policy. A Run is finished when it is terminal; one that is not is *waiting for evidence* when
@@ -25,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import secrets
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -36,13 +39,14 @@ from typing import Any, ClassVar
 
 from benchmarks.common import BenchmarkError, connect
 from benchmarks.private_server import free_port
-from benchmarks.processes import Process, Processes
+from benchmarks.processes import Process, Processes, direct_worker_argv, role_url
 from benchmarks.tasks import LEDGER, record
 from benchmarks.throughput import asyncpg_dsn, install_pgqueuer, serve_pgqueuer
 
 KINDS = ("idempotent", "unsafe", "none")  # QL3's policies, in turn; a label for the peers
 PROCRASTINATE_QUEUE = "chaos"
 SUBMIT_TIMEOUT_S = 5.0
+WORKER_ROLE = "ql3_chaos_worker"  # on the benchmark's private server, gone with it
 CONSUMER_ENV = "QL3_BENCH_CHAOS_CONSUMER"  # JSON: dsn, slots, ttl_s
 
 FINISHED, WAITING, UNFINISHED = "finished", "waiting_for_evidence", "unfinished"
@@ -57,6 +61,7 @@ class ChaosSettings:
     cadence_s: float
     task_seconds: float
     ledger: str
+    ql3_workers: str = "direct"  # QL3's worker form: "direct" or "http"
 
 
 @dataclass
@@ -188,10 +193,28 @@ class Ql3(System):
             port = free_port()
             urls.append(f"http://127.0.0.1:{port}")
             self.add(f"node-{index}", partial(self._node, port))
+        direct_url = self._worker_role() if self.settings.ql3_workers == "direct" else None
         for index, url in enumerate(urls):
             worker_id = f"chaos-worker-{index}"
-            spawn = partial(self.processes.start_worker, url, worker_id, self.worker_flags)
+            if direct_url is None:
+                spawn = partial(self.processes.start_worker, url, worker_id, self.worker_flags)
+            else:
+                argv = direct_worker_argv(direct_url, worker_id, self.worker_flags)
+                spawn = partial(self.processes.start, worker_id, argv)
             self.add(worker_id, spawn, worker=True)
+
+    def _worker_role(self) -> str:
+        """A login role holding the ingress's grants for the direct workers; its URL."""
+        password = secrets.token_urlsafe(16)
+        self.processes.ql3(
+            "db",
+            "grant-ingress",
+            WORKER_ROLE,
+            "--password-env",
+            "QL3_BENCH_WORKER_PASSWORD",
+            env={"QL3_BENCH_WORKER_PASSWORD": password},
+        )
+        return role_url(self.database_url, WORKER_ROLE, password)
 
     def _node(self, port: int) -> Process:
         process, _ = self.processes.start_node(self.node_flags, port)
@@ -199,7 +222,8 @@ class Ql3(System):
 
     def commands(self) -> str:
         nodes, workers = " ".join(self.node_flags), " ".join(self.worker_flags)
-        return f"ql3 serve {nodes} (x2); ql3 worker {workers} (x2)"
+        target = "--database-url URL" if self.settings.ql3_workers == "direct" else "--ingress URL"
+        return f"ql3 serve {nodes} (x2); ql3 worker {target} {workers} (x2)"
 
     @contextmanager
     def submitter(self) -> Iterator[Submit]:

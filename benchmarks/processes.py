@@ -114,6 +114,21 @@ def worker_argv(node_url: str, worker_id: str, flags: Sequence[str]) -> list[str
     return ["worker", "--ingress", node_url, "--app", APP_SPEC, "--worker-id", worker_id, *flags]
 
 
+def direct_worker_argv(database_url: str, worker_id: str, flags: Sequence[str]) -> list[str]:
+    """The command line of a benchmark's direct worker (ADR 0026) on the benchmark tasks:
+    ``database_url`` connects as a login role of ``ql3 db grant-ingress``."""
+    return [
+        "worker",
+        "--database-url",
+        database_url,
+        "--app",
+        APP_SPEC,
+        "--worker-id",
+        worker_id,
+        *flags,
+    ]
+
+
 class Processes:
     """The cluster processes of one benchmark; a context manager that stops them all.
     ``database_url`` None: the children get no ``QL3_DATABASE_URL`` (a Standalone process names

@@ -389,12 +389,15 @@ CHAOS_FIGURES = {
 }
 
 
-def test_chaos_benchmark_kills_a_ql3_worker_and_loses_nothing() -> None:
+@pytest.mark.parametrize("workers", ["direct", "http"])
+def test_chaos_benchmark_kills_a_ql3_worker_and_loses_nothing(workers: str) -> None:
     done = _run(
         [
             "chaos",
             "--systems",
             "ql3",
+            "--ql3-workers",
+            workers,
             "--phases",
             "kill-worker",
             "--phase-seconds",
@@ -426,6 +429,9 @@ def test_chaos_benchmark_kills_a_ql3_worker_and_loses_nothing() -> None:
     for row in details.values():
         assert row["admitted"] > 0 and row["finished"] == row["admitted"], row
     assert result["targets"]["zero_lost"] is True  # type: ignore[index]
+    assert result["settings"]["ql3_workers"] == workers  # type: ignore[index]
+    expected = "--database-url" if workers == "direct" else "--ingress"
+    assert expected in result["systems"][0]["processes"], result["systems"]  # type: ignore[index]
     table = done.stdout.strip().splitlines()[:-1]
     assert any(line.split()[:2] == ["ql3", "kill-worker"] for line in table), done.stdout
 
@@ -452,6 +458,7 @@ def test_chaos_benchmark_kills_a_ql3_worker_and_loses_nothing() -> None:
         ["chaos", "--phases", "earthquake"],
         ["chaos", "--systems", "ql3,celery"],
         ["chaos", "--phase-seconds", "0"],
+        ["chaos", "--ql3-workers", "carrier-pigeon"],
     ],
 )
 def test_bad_arguments_end_with_one_line_and_status_2(
