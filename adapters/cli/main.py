@@ -590,4 +590,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # ``python -m ql3.adapters.cli.main`` runs this file as ``__main__``, a second copy of the
+    # module: hand over to the module under its own name, whose errors the commands raise.
+    from ql3.adapters.cli import main as _named
+
+    sys.exit(_named.main())

@@ -122,3 +122,20 @@ def test_unreachable_database_is_a_failure_not_a_traceback(
     err = capsys.readouterr().err
     assert err.startswith("ql3: ")
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("module", ["ql3", "ql3.adapters.cli.main"])
+def test_a_failure_reads_the_same_whichever_module_runs_the_command(module: str) -> None:
+    """``python -m ql3.adapters.cli.main`` runs the module as ``__main__``; a command's failure
+    is still one line with exit 1, not the catch-all's "Failure: ..."."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("QL3_")}
+    done = subprocess.run(
+        [
+            sys.executable, "-m", module, "worker", "--app", "benchmarks.tasks:TASKS",
+            "--worker-id", "w", "--database-url", "postgresql+psycopg://nobody@127.0.0.1:1/none",
+        ],
+        capture_output=True, text=True, timeout=60, env=env, cwd=REPO,
+    )
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert done.stderr.startswith("ql3: cannot connect to the database:"), done.stderr
+    assert "Failure" not in done.stderr and "Traceback" not in done.stderr
