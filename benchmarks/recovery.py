@@ -24,7 +24,10 @@ recovery, per recovered Attempt: recovery's threads run in this process, so it c
 (and the page queries). ``postgres_cpu_ms_per_attempt`` is the CPU time of the server backends
 of the store's pooled connections over the same interval (read from ``/proc``; None when the
 server is not a process of this machine); the server's WAL writer and checkpointer, and the
-sessions of anyone else on the server, are left out.
+sessions of anyone else on the server, are left out. ``page_query_share`` is the part of the
+timed recovery spent fetching candidate pages: a pass's threads start once its page is read, so
+that time is not shared. ``--profile`` runs cProfile, which sees the calling thread alone: the
+page queries and that thread's share of each page's candidates.
 """
 
 from __future__ import annotations
@@ -102,7 +105,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--profile",
         action="store_true",
-        help="run the timed recovery under cProfile and print where the time goes",
+        help="run the timed recovery under cProfile (the calling thread's part) and print"
+        " where the time goes",
     )
 
 
@@ -338,6 +342,17 @@ def run_recovery(
         recovery_concurrency=concurrency,
     )
     store = container.store()
+    page_seconds = [0.0]
+    fetch_page = store.recovery_candidates
+
+    def timed_page(limit: int) -> Any:
+        # Pages are fetched by the pass's calling thread before its threads start.
+        started = time.perf_counter()
+        try:
+            return fetch_page(limit)
+        finally:
+            page_seconds[0] += time.perf_counter() - started
+
     try:
         recovery = container.runtime_recovery()
         with BackendCpu(store.engine) as backends, ExitStack() as warm:
@@ -353,6 +368,7 @@ def run_recovery(
                 if profiler is not None:
                     profiler.enable()
                 backends.start()
+                store.recovery_candidates = timed_page  # type: ignore[method-assign]
                 watch = Stopwatch()
                 cpu_start = time.process_time()
                 while True:
@@ -369,6 +385,7 @@ def run_recovery(
                 seconds = watch.seconds()
                 cpu_seconds_ = time.process_time() - cpu_start
                 server_seconds = backends.seconds()
+                del store.recovery_candidates
                 if profiler is not None:
                     profiler.disable()
     finally:
@@ -380,6 +397,7 @@ def run_recovery(
         "seconds": seconds,
         "cpu_seconds": cpu_seconds_,
         "postgres_cpu_seconds": server_seconds,
+        "page_seconds": page_seconds[0],
         "passes": passes,
         "statements": counts["statements"],
         "checkouts": counts["checkouts"],
@@ -516,7 +534,7 @@ def main(args: argparse.Namespace, admin: str) -> int:
     cpu_per_attempt: list[float] = []
     server_per_attempt: list[float | None] = []
     recovered = 0
-    seconds = seeded_s = 0.0
+    seconds = seeded_s = page_s = 0.0
     checkouts = passes = 0
     say(
         f"recovery: {args.attempts:,} expired candidates in {rounds} rounds, {concurrency}"
@@ -551,6 +569,7 @@ def main(args: argparse.Namespace, admin: str) -> int:
             recovered += timed["recovered"]
             seconds += timed["seconds"]
             seeded_s += timed["seed_seconds"]
+            page_s += timed["page_seconds"]
             checkouts += timed["checkouts"]
             passes += timed["passes"]
             say(
@@ -587,6 +606,7 @@ def main(args: argparse.Namespace, admin: str) -> int:
         "page_size": args.page_size,
         "recovery_seconds": round(seconds, 3),
         "passes": passes,
+        "page_query_share": round(page_s / seconds, 3),
         "checkouts_per_attempt": round(checkouts / recovered, 2),
         "seed_seconds": round(seeded_s, 2),
         "pgbench_seconds": pgbench_s * rounds,
@@ -613,6 +633,11 @@ def main(args: argparse.Namespace, admin: str) -> int:
                 "postgres_cpu_ms_per_attempt",
                 "-" if server_ms is None else result["postgres_cpu_ms_per_attempt"],
                 "CPU of the store's backends",
+            ),
+            (
+                "page_query_share",
+                result["page_query_share"],
+                "of recovery's time spent fetching pages",
             ),
             ("checkouts_per_attempt", result["checkouts_per_attempt"], "pool checkouts"),
             ("pgbench_tps", result["pgbench_tps"], f"-c {concurrency} -j {concurrency}"),

@@ -122,6 +122,7 @@ def test_recovery_benchmark_reports_throughput_against_pgbench(pg_server: Postgr
     assert result["pgbench_clients"] == result["concurrency"] == 2
     server_cpu = result["postgres_cpu_ms_per_attempt"]
     assert server_cpu is None or _number(result, "postgres_cpu_ms_per_attempt") >= 0, result
+    assert 0 < _number(result, "page_query_share") < 1, result
     assert result["target_ratio"] == 0.8
     assert result["meets_target"] is (_number(result, "ratio") >= 0.8)
     # Each ratio is the median of the per-round ratios (each round recovery and pgbench at N
