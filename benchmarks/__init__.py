@@ -1,6 +1,7 @@
 """Benchmarks of the QL3 runtime, each beside its reference measured in the same run.
 
-``python -m benchmarks recovery`` times runtime recovery against single-client pgbench TPC-B;
+``python -m benchmarks recovery`` times runtime recovery against pgbench TPC-B at as many clients
+as recovery's transactions at once, and at one client;
 ``python -m benchmarks idle`` measures one idle Cluster cycle on an empty and on a large
 database; ``python -m benchmarks recover-time`` times recovery after the SIGKILL of a worker;
 ``python -m benchmarks throughput`` works no-op runs through one node and one worker against

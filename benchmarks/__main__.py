@@ -12,7 +12,10 @@ from benchmarks.common import ADMIN_URL_ENV, ArgumentParser, BenchmarkError, adm
 
 # Each command: its module (with ``add_arguments`` and ``main``) and its one-line help.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "recovery": ("recovery", "runtime recovery throughput vs pgbench TPC-B, 1 client"),
+    "recovery": (
+        "recovery",
+        "runtime recovery throughput vs pgbench TPC-B at equal clients and at 1",
+    ),
     "idle": ("idle", "one idle Cluster cycle: empty vs large history"),
     "recover-time": (
         "recover_time",

@@ -1,12 +1,33 @@
-"""Runtime recovery throughput against single-client pgbench TPC-B on the same server.
+"""Runtime recovery throughput against pgbench TPC-B at the same number of clients.
 
 Seeds N runtime-owned Runs whose only Attempt holds an expired ``leased`` lease and is a
 recovery candidate the domain can settle: three in four are ``claimed`` Attempts that were
 offered and accepted but never started (no evidence needed), one in four are ``running``
 Attempts whose worker session is ``closed`` (trusted not-running evidence). Then it times
 ``RuntimeRecovery.run_once(page_size)`` of the Cluster composition root until no candidate is
-left, verifies the outcome with SQL, and runs ``pgbench -c 1 -j 1 -T <seconds>`` on a separate
-database of the same server. ``ratio = recovered_per_s / pgbench_tps``; the target is >= 0.8.
+left and verifies the outcome with SQL. Recovery runs the profile's ``recovery_concurrency``
+transactions at once (``CLUSTER_DEFAULTS``, 3 unless ``--concurrency N``): the calling thread
+and ``N - 1`` threads of each pass, each on its own pooled connection.
+
+The reference is pgbench TPC-B on a separate database of the same server (scale N: one branch
+row per client, so that its clients do not queue on one row lock), at the same number of
+clients as recovery's transactions (``-c N -j N``) and, reported beside it, at one client
+(``-c 1 -j 1``: it waits on each commit's flush alone, while concurrent transactions share
+flushes). Each round runs the three (recovery, pgbench at N, pgbench at 1), its order rotated
+by one from round to round, so that none always runs right after another; the figures are
+medians over the rounds. ``ratio`` is the median of the per-round ``recovered_per_s /
+pgbench_tps`` at equal clients (target >= 0.8); ``ratio_one_client`` the same against one
+client.
+
+``client_cpu_ms_per_attempt`` is the CPU time (user + system) of this process over the timed
+recovery, per recovered Attempt: recovery's threads run in this process, so it covers them all
+(and the page queries). ``postgres_cpu_ms_per_attempt`` is the CPU time of the server backends
+of the store's pooled connections over the same interval (read from ``/proc``; None when the
+server is not a process of this machine); the server's WAL writer and checkpointer, and the
+sessions of anyone else on the server, are left out. ``page_query_share`` is the part of the
+timed recovery spent fetching candidate pages: a pass's threads start once its page is read, so
+that time is not shared. ``--profile`` runs cProfile, which sees the calling thread alone: the
+page queries and that thread's share of each page's candidates.
 """
 
 from __future__ import annotations
@@ -22,7 +43,7 @@ import statistics
 import subprocess
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 from sqlalchemy import event
@@ -41,6 +62,7 @@ from benchmarks.common import (
     server_address,
     throwaway_database,
 )
+from benchmarks.processes import ServerCpu, cpu_seconds
 from ql3.application.ports import HARD_PAGE_CAP
 
 TARGET_RATIO = 0.8
@@ -60,28 +82,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--pgbench-seconds",
         type=positive_int,
-        default=10,
+        default=15,
         metavar="S",
-        help="pgbench time in all, split evenly over the rounds",
+        help="pgbench time in all at each client count, split evenly over the rounds",
     )
     parser.add_argument(
         "--rounds",
         type=bounded_int(1, 50),
         default=5,
         metavar="R",
-        help="recovery and pgbench alternate R times; figures are medians over the rounds",
+        help="R rounds of recovery, pgbench at N clients and pgbench at 1 client, the order"
+        " rotated each round; figures are medians over the rounds",
     )
     parser.add_argument(
         "--concurrency",
         type=bounded_int(1, 8),
         default=None,
         metavar="N",
-        help="recovery transactions at once (default: the Cluster profile's setting)",
+        help="recovery transactions at once, and pgbench's clients (default: the Cluster"
+        " profile's recovery_concurrency)",
     )
     parser.add_argument(
         "--profile",
         action="store_true",
-        help="run the timed recovery under cProfile and print where the time goes",
+        help="run the timed recovery under cProfile (the calling thread's part) and print"
+        " where the time goes",
     )
 
 
@@ -257,46 +282,112 @@ def statement_counter(engine: Any) -> Iterator[dict[str, int]]:
         event.remove(engine.pool, "checkout", on_checkout)
 
 
+class BackendCpu:
+    """The CPU time of the server backends behind an engine's pooled connections, read from
+    ``/proc`` (:class:`~benchmarks.processes.ServerCpu` finds out whether the server is a
+    process of this machine). A backend first seen after :meth:`start` counts from zero."""
+
+    def __init__(self, engine: Any) -> None:
+        self._engine = engine
+        self._pids: set[int] = set()
+        self._start: dict[int, float] = {}
+        self.local = True
+
+    def __enter__(self) -> BackendCpu:
+        event.listen(self._engine.pool, "connect", self._on_connect)
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        event.remove(self._engine.pool, "connect", self._on_connect)
+
+    def _on_connect(self, dbapi_connection: Any, _record: Any) -> None:
+        pid = int(dbapi_connection.info.backend_pid)
+        if ServerCpu.of(pid) is None:
+            self.local = False
+        self._pids.add(pid)
+
+    def start(self) -> None:
+        self._start = {pid: cpu_seconds(pid) for pid in self._pids}
+
+    def seconds(self) -> float | None:
+        """CPU seconds of the backends since :meth:`start`; None when the server is not local."""
+        if not self.local or not self._pids:
+            return None
+        return sum(cpu_seconds(pid) - self._start.get(pid, 0.0) for pid in self._pids)
+
+
+def configured_concurrency(requested: int | None) -> int:
+    """The recovery transactions at once of the Cluster composition root: ``requested``, else
+    the profile's ``recovery_concurrency`` (read off a container that opens nothing)."""
+    from ql3.bootstrap.cluster import build
+
+    settings: dict[str, Any] = {"database_url": "postgresql+psycopg://unused/unused"}
+    if requested is not None:
+        settings["recovery_concurrency"] = requested
+    return int(build(**settings).config.recovery_concurrency())
+
+
 def run_recovery(
     url: str,
     attempts: int,
     page_size: int,
     profiler: cProfile.Profile | None,
-    concurrency: int | None = None,
+    concurrency: int,
 ) -> dict[str, Any]:
     from ql3.bootstrap.cluster import build
 
-    settings: dict[str, Any] = {"recovery_page_size": RECOVERY_PAGE_SIZE_SETTING}
-    if concurrency is not None:
-        settings["recovery_concurrency"] = concurrency
-    container = build(database_url=url, **settings)
+    container = build(
+        database_url=url,
+        recovery_page_size=RECOVERY_PAGE_SIZE_SETTING,
+        recovery_concurrency=concurrency,
+    )
     store = container.store()
+    page_seconds = [0.0]
+    fetch_page = store.recovery_candidates
+
+    def timed_page(limit: int) -> Any:
+        # Pages are fetched by the pass's calling thread before its threads start.
+        started = time.perf_counter()
+        try:
+            return fetch_page(limit)
+        finally:
+            page_seconds[0] += time.perf_counter() - started
+
     try:
         recovery = container.runtime_recovery()
-        # Warm the pool and the compiled-statement cache outside the clock, changing nothing.
-        with store.unit_of_work() as uow:
-            uow.now_ms()
-        recovered = passes = 0
-        with statement_counter(store.engine) as counts:
-            if profiler is not None:
-                profiler.enable()
-            watch = Stopwatch()
-            cpu_start = time.process_time()
-            while True:
-                report = recovery.run_once(page_size)
-                passes += 1
-                recovered += report.recovered
-                if report.examined == 0:
-                    break
-                if report.recovered == 0:
-                    raise BenchmarkError(
-                        f"recovery stopped making progress after {recovered} attempts:"
-                        f" {report.counts()}"
-                    )
-            seconds = watch.seconds()
-            cpu_seconds = time.process_time() - cpu_start
-            if profiler is not None:
-                profiler.disable()
+        with BackendCpu(store.engine) as backends, ExitStack() as warm:
+            # Warm the connections a pass holds (its threads' and the page query's) and the
+            # compiled-statement cache outside the clock, changing nothing.
+            for _ in range(min(concurrency + 1, store.engine.pool.size())):
+                warm.enter_context(store.engine.connect())
+            warm.close()
+            with store.unit_of_work() as uow:
+                uow.now_ms()
+            recovered = passes = 0
+            with statement_counter(store.engine) as counts:
+                if profiler is not None:
+                    profiler.enable()
+                backends.start()
+                store.recovery_candidates = timed_page  # type: ignore[method-assign]
+                watch = Stopwatch()
+                cpu_start = time.process_time()
+                while True:
+                    report = recovery.run_once(page_size)
+                    passes += 1
+                    recovered += report.recovered
+                    if report.examined == 0:
+                        break
+                    if report.recovered == 0:
+                        raise BenchmarkError(
+                            f"recovery stopped making progress after {recovered} attempts:"
+                            f" {report.counts()}"
+                        )
+                seconds = watch.seconds()
+                cpu_seconds_ = time.process_time() - cpu_start
+                server_seconds = backends.seconds()
+                del store.recovery_candidates
+                if profiler is not None:
+                    profiler.disable()
     finally:
         store.close()
     if recovered != attempts:
@@ -304,7 +395,9 @@ def run_recovery(
     return {
         "recovered": recovered,
         "seconds": seconds,
-        "cpu_seconds": cpu_seconds,
+        "cpu_seconds": cpu_seconds_,
+        "postgres_cpu_seconds": server_seconds,
+        "page_seconds": page_seconds[0],
         "passes": passes,
         "statements": counts["statements"],
         "checkouts": counts["checkouts"],
@@ -353,17 +446,23 @@ def _pgbench(args: list[str], admin: str, database: str, timeout_s: float) -> st
 
 
 @contextmanager
-def pgbench_database(admin: str) -> Iterator[str]:
-    """A scale-1 TPC-B database, initialised once for every round; dropped afterwards."""
+def pgbench_database(admin: str, clients: int) -> Iterator[str]:
+    """A TPC-B database of scale ``clients`` (one branch row per client, so that the clients
+    do not queue on one branch's row lock), initialised once for every round; dropped
+    afterwards."""
     with throwaway_database(admin, "ql3_bench_pgbench") as (name, _):
-        _pgbench(["-i", "-s", "1", "-q"], admin, name, timeout_s=300)
+        _pgbench(["-i", "-s", str(max(1, clients)), "-q"], admin, name, timeout_s=300)
         yield name
 
 
-def run_pgbench(admin: str, database: str, seconds: int) -> float:
-    """TPC-B, 1 client, 1 thread; returns tps without connection establishment."""
+def run_pgbench(admin: str, database: str, seconds: int, clients: int = 1) -> float:
+    """TPC-B with ``clients`` clients on as many threads; returns tps without connection
+    establishment."""
     output = _pgbench(
-        ["-c", "1", "-j", "1", "-T", str(seconds)], admin, database, timeout_s=seconds + 120
+        ["-c", str(clients), "-j", str(clients), "-T", str(seconds)],
+        admin,
+        database,
+        timeout_s=seconds + 120,
     )
     match = TPS_LINE.search(output)
     if match is None:
@@ -387,7 +486,7 @@ def recovery_round(
     attempts: int,
     page_size: int,
     profiler: cProfile.Profile | None,
-    concurrency: int | None,
+    concurrency: int,
 ) -> dict[str, Any]:
     """Seed ``attempts`` candidates in a fresh database, recover them all, verify, drop it."""
     with migrated_database(admin, "ql3_bench_recovery") as url:
@@ -403,60 +502,111 @@ def recovery_round(
     return timed
 
 
+def _median(values: list[float | None]) -> float | None:
+    known = [value for value in values if value is not None]
+    return statistics.median(known) if len(known) == len(values) and known else None
+
+
+def _rounded(value: float | None, digits: int) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+def round_order(index: int) -> tuple[str, ...]:
+    """Round ``index`` (from 0) runs recovery, pgbench at N clients and pgbench at 1 client in
+    this order, rotated by one each round."""
+    steps = ("recovery", "pgbench", "pgbench_one_client")
+    shift = index % len(steps)
+    return steps[shift:] + steps[:shift]
+
+
 def main(args: argparse.Namespace, admin: str) -> int:
     total = Stopwatch()
     profiler = cProfile.Profile() if args.profile else None
+    concurrency = configured_concurrency(args.concurrency)
     rounds = min(args.rounds, args.attempts)
     per_round = [args.attempts // rounds + (i < args.attempts % rounds) for i in range(rounds)]
     pgbench_s = max(1, args.pgbench_seconds // rounds)
     rates: list[float] = []
     tps_list: list[float] = []
+    tps_one_list: list[float] = []
     ratio_list: list[float] = []
+    ratio_one_list: list[float] = []
     cpu_per_attempt: list[float] = []
+    server_per_attempt: list[float | None] = []
     recovered = 0
-    seconds = cpu = seeded_s = 0.0
+    seconds = seeded_s = page_s = 0.0
     checkouts = passes = 0
     say(
-        f"recovery: {args.attempts:,} expired candidates in {rounds} rounds, each followed by"
-        f" pgbench TPC-B -c 1 -j 1 -T {pgbench_s}"
+        f"recovery: {args.attempts:,} expired candidates in {rounds} rounds, {concurrency}"
+        f" transactions at once; each round also pgbench TPC-B -T {pgbench_s} at"
+        f" -c {concurrency} -j {concurrency} and at -c 1 -j 1, the order rotated"
     )
-    with pgbench_database(admin) as pgbench_db:
-        for index, attempts in enumerate(per_round, start=1):
-            timed = recovery_round(admin, attempts, args.page_size, profiler, args.concurrency)
-            round_tps = run_pgbench(admin, pgbench_db, pgbench_s)
+    with pgbench_database(admin, concurrency) as pgbench_db:
+        for index, attempts in enumerate(per_round):
+            figures: dict[str, Any] = {}
+            for step in round_order(index):
+                if step == "recovery":
+                    figures[step] = recovery_round(
+                        admin, attempts, args.page_size, profiler, concurrency
+                    )
+                elif step == "pgbench":
+                    figures[step] = run_pgbench(admin, pgbench_db, pgbench_s, concurrency)
+                else:
+                    figures[step] = run_pgbench(admin, pgbench_db, pgbench_s, 1)
+            timed = figures["recovery"]
+            round_tps, round_tps_one = figures["pgbench"], figures["pgbench_one_client"]
             rate = timed["recovered"] / timed["seconds"]
             rates.append(rate)
             tps_list.append(round_tps)
+            tps_one_list.append(round_tps_one)
             ratio_list.append(rate / round_tps)
+            ratio_one_list.append(rate / round_tps_one)
             cpu_per_attempt.append(timed["cpu_seconds"] * 1000 / timed["recovered"])
+            server = timed["postgres_cpu_seconds"]
+            server_per_attempt.append(
+                None if server is None else server * 1000 / timed["recovered"]
+            )
             recovered += timed["recovered"]
             seconds += timed["seconds"]
-            cpu += timed["cpu_seconds"]
             seeded_s += timed["seed_seconds"]
+            page_s += timed["page_seconds"]
             checkouts += timed["checkouts"]
             passes += timed["passes"]
             say(
-                f"recovery: round {index}/{rounds}: {rate:,.1f} recovered/s,"
-                f" pgbench {round_tps:,.1f} tps, ratio {rate / round_tps:.3f}"
+                f"recovery: round {index + 1}/{rounds} ({', '.join(round_order(index))}):"
+                f" {rate:,.1f} recovered/s, pgbench {round_tps:,.1f} tps at {concurrency}"
+                f" clients (ratio {rate / round_tps:.3f}), {round_tps_one:,.1f} tps at 1"
+                f" (ratio {rate / round_tps_one:.3f})"
             )
-    recovered_per_s = statistics.median(rates)
-    tps = statistics.median(tps_list)
     ratio = statistics.median(ratio_list)
+    server_ms = _median(server_per_attempt)
     result: dict[str, Any] = {
-        "recovered_per_s": round(recovered_per_s, 1),
-        "pgbench_tps": round(tps, 1),
+        "recovered_per_s": round(statistics.median(rates), 1),
+        "pgbench_tps": round(statistics.median(tps_list), 1),
+        "pgbench_clients": concurrency,
         "ratio": round(ratio, 3),
+        "pgbench_tps_one_client": round(statistics.median(tps_one_list), 1),
+        "ratio_one_client": round(statistics.median(ratio_one_list), 3),
+        "concurrency": concurrency,
+        "client_cpu_ms_per_attempt": round(statistics.median(cpu_per_attempt), 3),
+        "postgres_cpu_ms_per_attempt": _rounded(server_ms, 3),
         "peak_rss_mb": peak_rss_mb(),
         "attempts": recovered,
         "rounds": rounds,
         "ratio_per_round": [round(value, 3) for value in ratio_list],
+        "ratio_one_client_per_round": [round(value, 3) for value in ratio_one_list],
         "recovered_per_s_per_round": [round(value, 1) for value in rates],
         "pgbench_tps_per_round": [round(value, 1) for value in tps_list],
+        "pgbench_tps_one_client_per_round": [round(value, 1) for value in tps_one_list],
+        "client_cpu_ms_per_attempt_per_round": [round(value, 3) for value in cpu_per_attempt],
+        "postgres_cpu_ms_per_attempt_per_round": [
+            _rounded(value, 3) for value in server_per_attempt
+        ],
         "started_with_closed_session": sum(n // STARTED_EVERY for n in per_round),
         "page_size": args.page_size,
         "recovery_seconds": round(seconds, 3),
         "passes": passes,
-        "cpu_ms_per_attempt": round(statistics.median(cpu_per_attempt), 3),
+        "page_query_share": round(page_s / seconds, 3),
         "checkouts_per_attempt": round(checkouts / recovered, 2),
         "seed_seconds": round(seeded_s, 2),
         "pgbench_seconds": pgbench_s * rounds,
@@ -464,18 +614,36 @@ def main(args: argparse.Namespace, admin: str) -> int:
         "meets_target": ratio >= TARGET_RATIO,
         "total_seconds": round(total.seconds(), 1),
     }
+    clients = f"{concurrency} client{'s' if concurrency != 1 else ''}"
     print_table(
-        "Runtime recovery vs pgbench TPC-B (1 client), medians over rounds",
+        f"Runtime recovery vs pgbench TPC-B at {clients} (and at 1), medians over rounds",
         [
             ("attempts", recovered, "expired leased; 1 in 4 started + session closed"),
-            ("rounds", rounds, "recovery and pgbench alternate"),
+            ("rounds", rounds, "recovery, pgbench at N, pgbench at 1; order rotated"),
             ("seed_seconds", result["seed_seconds"], "set-based INSERT ... SELECT + VACUUM"),
             ("recovery_seconds", result["recovery_seconds"], f"{passes} run_once passes"),
+            ("concurrency", concurrency, "recovery transactions at once"),
             ("recovered_per_s", result["recovered_per_s"], f"page size {args.page_size}"),
-            ("cpu_ms_per_attempt", result["cpu_ms_per_attempt"], "CPU of this process"),
+            (
+                "client_cpu_ms_per_attempt",
+                result["client_cpu_ms_per_attempt"],
+                "CPU of this process, its threads included",
+            ),
+            (
+                "postgres_cpu_ms_per_attempt",
+                "-" if server_ms is None else result["postgres_cpu_ms_per_attempt"],
+                "CPU of the store's backends",
+            ),
+            (
+                "page_query_share",
+                result["page_query_share"],
+                "of recovery's time spent fetching pages",
+            ),
             ("checkouts_per_attempt", result["checkouts_per_attempt"], "pool checkouts"),
-            ("pgbench_tps", result["pgbench_tps"], "without initial connection time"),
+            ("pgbench_tps", result["pgbench_tps"], f"-c {concurrency} -j {concurrency}"),
             ("ratio", result["ratio"], f"median of per-round ratios; target >= {TARGET_RATIO}"),
+            ("pgbench_tps_one_client", result["pgbench_tps_one_client"], "-c 1 -j 1"),
+            ("ratio_one_client", result["ratio_one_client"], "median of per-round ratios"),
             ("peak_rss_mb", result["peak_rss_mb"], "ru_maxrss of this process"),
             ("total_seconds", result["total_seconds"], ""),
         ],

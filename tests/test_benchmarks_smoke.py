@@ -90,19 +90,73 @@ def _bench_roles(server: PostgresServer) -> set[str]:
 def test_recovery_benchmark_reports_throughput_against_pgbench(pg_server: PostgresServer) -> None:
     before = _bench_databases(pg_server)
     done = _run(
-        ["recovery", "--attempts", "200", "--pgbench-seconds", "1", "--json"], pg_server.admin_url
+        [
+            "recovery",
+            "--attempts",
+            "200",
+            "--rounds",
+            "3",
+            "--concurrency",
+            "2",
+            "--pgbench-seconds",
+            "3",
+            "--json",
+        ],
+        pg_server.admin_url,
     )
     result = _last_json(done)
-    _positive_numbers(result, ("recovered_per_s", "pgbench_tps", "ratio", "peak_rss_mb"))
-    assert result["attempts"] == 200
-    ratio = float(result["ratio"])  # type: ignore[arg-type]
-    per_round = result["ratio_per_round"]
-    assert isinstance(per_round, list) and per_round, result
-    # The ratio is the median of the per-round ratios (each round recovery, then pgbench).
-    assert ratio == pytest.approx(statistics.median(float(v) for v in per_round), rel=0.01)
+    _positive_numbers(
+        result,
+        (
+            "recovered_per_s",
+            "pgbench_tps",
+            "ratio",
+            "pgbench_tps_one_client",
+            "ratio_one_client",
+            "client_cpu_ms_per_attempt",
+            "peak_rss_mb",
+        ),
+    )
+    assert result["attempts"] == 200 and result["rounds"] == 3
+    # pgbench runs at as many clients as recovery's transactions at once.
+    assert result["pgbench_clients"] == result["concurrency"] == 2
+    server_cpu = result["postgres_cpu_ms_per_attempt"]
+    assert server_cpu is None or _number(result, "postgres_cpu_ms_per_attempt") >= 0, result
+    assert 0 < _number(result, "page_query_share") < 1, result
+    assert result["target_ratio"] == 0.8
+    assert result["meets_target"] is (_number(result, "ratio") >= 0.8)
+    # Each ratio is the median of the per-round ratios (each round recovery and pgbench at N
+    # and at 1 client, the order rotated).
+    for ratio, rates, tps in (
+        ("ratio", "recovered_per_s_per_round", "pgbench_tps_per_round"),
+        (
+            "ratio_one_client",
+            "recovered_per_s_per_round",
+            "pgbench_tps_one_client_per_round",
+        ),
+    ):
+        per_round = result[f"{ratio}_per_round"]
+        assert isinstance(per_round, list) and len(per_round) == 3, result
+        assert _number(result, ratio) == pytest.approx(statistics.median(per_round), rel=0.01)
+        rate_list, tps_list = result[rates], result[tps]
+        assert isinstance(rate_list, list) and isinstance(tps_list, list), result
+        for value, rate, round_tps in zip(per_round, rate_list, tps_list, strict=True):
+            assert value == pytest.approx(rate / round_tps, rel=0.02, abs=0.002), result
     table = done.stdout.strip().splitlines()[:-1]
     assert any(line.startswith("recovered_per_s") for line in table), done.stdout
+    assert any(line.startswith("ratio_one_client") for line in table), done.stdout
     _assert_no_databases_left(pg_server, before)
+
+
+def test_recovery_benchmark_defaults_to_the_cluster_profiles_concurrency() -> None:
+    from benchmarks.recovery import configured_concurrency, round_order
+    from ql3.bootstrap.cluster import CLUSTER_DEFAULTS
+
+    assert configured_concurrency(None) == CLUSTER_DEFAULTS["recovery_concurrency"]
+    assert configured_concurrency(5) == 5
+    orders = [round_order(index) for index in range(3)]
+    assert orders[0] == ("recovery", "pgbench", "pgbench_one_client")
+    assert {order[0] for order in orders} == set(orders[0])  # each goes first once in 3 rounds
 
 
 def test_idle_benchmark_reports_queries_and_median_cycle_times(pg_server: PostgresServer) -> None:
