@@ -174,9 +174,10 @@ def serve(
 @click.command()
 @click.option(
     "--ingress",
-    "ingress_url",
-    default=None,
-    help="The node's URL, http://HOST:PORT (a worker outside the database's network).",
+    "ingress_urls",
+    multiple=True,
+    help="The node's URL, http://HOST:PORT (a worker outside the database's network); give it "
+    "once per node of the cluster to move to the next node when one does not answer.",
 )
 @click.option(
     "--database-url",
@@ -253,7 +254,7 @@ def serve(
 @log_format_option
 @secure.worker_options
 def worker(
-    ingress_url: str | None,
+    ingress_urls: tuple[str, ...],
     database_url: str | None,
     database_url_file: str | None,
     lease_ttl: float,
@@ -274,17 +275,24 @@ def worker(
     a direct worker): claim work for the free slots, run each task in its slot's child
     process, report it. SIGTERM (or ^C) drains: no new work, running tasks
     finish, work granted that never began is handed back, the session closes; a second signal
-    stops the tasks at once. Exits 1 when the session is lost or the ingress stays
-    unreachable for the lease TTL (at least 5 s)."""
+    stops the tasks at once. While the ingress or the database does not answer, the worker
+    keeps trying (each task stops when its lease ends) and goes on when it is answered. Exits 1
+    when the session is refused (closed, replaced, its credential revoked) or when the first
+    registration gets no answer within --register-timeout."""
     from ql3.adapters.cli.main import Failure
     from ql3.adapters.execution import AppLoadError, load_app
     from ql3.adapters.worker.runtime import Worker, WorkerFailed, WorkerSettings
 
     url_source = secure.worker_database_url(database_url, database_url_file)
-    if (url_source is None) == (ingress_url is None):
+    if (url_source is None) == (not ingress_urls):
         raise click.UsageError("give the worker --ingress URL or --database-url URL (one of them)")
-    if ingress_url is not None and not ingress_url.startswith(("http://", "https://")):
-        raise click.BadParameter("must start with http:// or https://", param_hint="--ingress")
+    for url in ingress_urls:
+        if not url.startswith(("http://", "https://")) or "," in url:
+            raise click.BadParameter(
+                f"{url!r}: an ingress URL starts with http:// or https:// (give --ingress once "
+                "per node)",
+                param_hint="--ingress",
+            )
     if url_source is not None and (credential_file or ca_file):
         raise click.UsageError(
             "a direct worker signs in with its database role: --credential-file and --ca-file "
@@ -302,7 +310,7 @@ def worker(
     if url_source is not None:
         client_factory = _direct_client(url_source, lease_ttl)
     settings = WorkerSettings(
-        ingress_url=ingress_url or "",
+        ingress_url=",".join(ingress_urls),
         app_spec=app_spec,
         worker_id=worker_id,
         tasks=tuple(sorted(tasks)),

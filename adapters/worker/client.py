@@ -3,11 +3,16 @@ worker's policy.
 
 A 4xx answer raises :class:`IngressRefused` at once, never repeated (the call changed nothing).
 A 5xx answer or a transport failure is repeated, with capped exponential backoff and jitter,
-for at most ``retry_budget_s``; then :class:`IngressUnavailable` is raised. A session's call
-answered ``503`` (the node is up, its database is not) is repeated for as long as the node keeps
-answering so: leases do not age while the database is down (ADR 0018), so what the worker holds
-is still its own when the database is back, and the worker's own lease deadlines still stop a
-task whose lease it could not renew. Repeating is safe:
+for at most ``retry_budget_s``; then :class:`IngressUnavailable` is raised. A call of a
+registered session is repeated for as long as no answer comes, while ``keep_trying`` holds
+(ADR 0028): a node that is down, restarting or cut off, or whose database is down (503), does
+not end the session, which lives in the database; the worker's own lease deadlines stop a task
+whose lease it could not renew meanwhile. The client logs a warning each ``retry_budget_s`` it
+goes on without an answer.
+
+An ingress of several URLs (several nodes of one cluster: ``--ingress`` given more than once)
+is one ingress reached at several addresses: each call goes to the current one, and a failed
+try moves the client to the next for the tries after it. Repeating is safe:
 a repeated completion answers ``already_completed``, a repeated renewal renews, a repeated
 abandon or release finds the lease already settled, and a repeated claim carries the same
 ``held`` statement, which hands back whatever the lost answer had granted.
@@ -17,6 +22,7 @@ most :data:`MAX_BATCH_ITEMS`."""
 
 from __future__ import annotations
 
+import logging
 import random
 import ssl
 import threading
@@ -67,7 +73,8 @@ RETRY_INITIAL_S = 0.05  # the first pause before a call is repeated
 RETRY_CAP_S = 1.0  # the longest pause between two tries
 DEFAULT_RETRY_BUDGET_S = 30.0
 GIVE_UP_POLL_S = 0.05  # how often a pause between tries asks whether to give up
-STORE_UNAVAILABLE = 503  # the ingress's answer while its store is down
+
+log = logging.getLogger("ql3.worker")
 
 
 @dataclass
@@ -80,12 +87,13 @@ class _Tries:
 
 
 class IngressClient:
-    """One worker's connection to one ingress; holds the session once registered. Once
-    registered, its calls may come from several threads (the HTTP client is shared)."""
+    """One worker's connection to one ingress, at one URL or several (tried in turn); holds the
+    session once registered. Once registered, its calls may come from several threads (the HTTP
+    client is shared)."""
 
     def __init__(
         self,
-        base_url: str,
+        base_url: str | Sequence[str],
         *,
         timeout_s: float = 5.0,
         registration_token: str | None = None,
@@ -97,13 +105,16 @@ class IngressClient:
         verify: ssl.SSLContext | bool = (
             ssl.create_default_context(cafile=ca_file) if ca_file is not None else True
         )
-        self._base_url = base_url.rstrip("/")
-        self._http = httpx.Client(
-            base_url=self._base_url, timeout=timeout_s, transport=transport, verify=verify
+        self._bases = tuple(
+            url.rstrip("/") for url in ([base_url] if isinstance(base_url, str) else base_url)
         )
-        # Each path's absolute URL, parsed once: the client would merge and parse a relative
-        # one on every call (about two thirds of building a request).
-        self._urls: dict[str, httpx.URL] = {}
+        if not self._bases:
+            raise ValueError("an ingress needs at least one URL")
+        self._at = 0  # the URL calls go to
+        self._http = httpx.Client(timeout=timeout_s, transport=transport, verify=verify)
+        # Each absolute URL, parsed once: the client would merge and parse a relative one on
+        # every call (about two thirds of building a request).
+        self._urls: dict[tuple[int, str], httpx.URL] = {}
         self._timeout_s = timeout_s
         self._registration_token = registration_token
         self._session_id: str | None = None
@@ -111,14 +122,19 @@ class IngressClient:
         self.retry_budget_s = retry_budget_s
         # Asked between tries: true stops the repeating (the worker is stopping).
         self.give_up: Callable[[], bool] = lambda: False
-        # A session's call answered 503 is repeated past the budget (false once stopping).
-        self.wait_for_store = True
+        # A session's call is repeated past the budget until answered (false once stopping).
+        self.keep_trying = True
         self._counter = threading.Lock()
         self._other_calls = 0
 
     @property
     def session_id(self) -> str | None:
         return self._session_id
+
+    @property
+    def base_url(self) -> str:
+        """The URL calls go to now."""
+        return self._bases[self._at]
 
     @property
     def other_calls(self) -> int:
@@ -259,7 +275,7 @@ class IngressClient:
             payload,
             headers={"Authorization": f"Bearer {self._secret}"},
             timeout_s=timeout_s,
-            while_store_down=True,
+            until_answered=True,
         )
 
     def _post(
@@ -270,30 +286,42 @@ class IngressClient:
         headers: Mapping[str, str],
         timeout_s: float | None = None,
         budget_s: float | None = None,
-        while_store_down: bool = False,
+        until_answered: bool = False,
     ) -> tuple[Any, _Tries]:
         """Send until answered: a 4xx raises at once; a 5xx or a transport failure is tried
         again after a pause (doubling up to :data:`RETRY_CAP_S`, each drawn between half and
-        all of it), the last try when the budget is spent. ``while_store_down``: a 503 answer
-        does not spend the budget (the ingress is there; its store is not, for now)."""
+        all of it), at the next URL if there are several, the last try when the budget is
+        spent. ``until_answered``: while :attr:`keep_trying`, the budget is renewed each time
+        it is spent, with a warning."""
         budget = self.retry_budget_s if budget_s is None else budget_s
-        deadline = time.monotonic() + budget
+        started = time.monotonic()
+        deadline = started + budget
         pause = RETRY_INITIAL_S
         tries = _Tries()
+        command = path.rsplit("/", 1)[-1]
         while True:
             tries.sent_at = time.monotonic()
+            at = self._at
             try:
-                return self._post_once(path, payload, headers, timeout_s), tries
+                return self._post_once(at, path, payload, headers, timeout_s), tries
             except IngressUnavailable as error:
                 tries.sent = tries.sent or error.sent
                 tries.errors.append(str(error))
+                self._move_on(at, error)
                 now = time.monotonic()
-                if while_store_down and error.store_down and self.wait_for_store:
-                    deadline = max(deadline, now + budget)
+                if now >= deadline and until_answered and self.keep_trying and not self.give_up():
+                    log.warning(
+                        "the ingress has not answered %s for %.0f s (%d tries: %s); trying on",
+                        command,
+                        now - started,
+                        len(tries.errors),
+                        error,
+                    )
+                    deadline = now + budget
                 if now >= deadline or self.give_up():
                     raise IngressUnavailable(
-                        f"the ingress did not answer {path.rsplit('/', 1)[-1]} within "
-                        f"{budget:.1f} s ({len(tries.errors)} tries): {error}",
+                        f"the ingress did not answer {command} within {budget:.1f} s "
+                        f"({len(tries.errors)} tries): {error}",
                         sent=tries.sent,
                     ) from None
                 until = min(now + random.uniform(pause / 2, pause), deadline)
@@ -301,17 +329,28 @@ class IngressClient:
                     time.sleep(min(left, GIVE_UP_POLL_S))
                 pause = min(pause * 2, RETRY_CAP_S)
 
+    def _move_on(self, at: int, error: IngressUnavailable) -> None:
+        """A try at URL ``at`` failed: the next tries go to the next URL (once, whichever
+        thread saw it first)."""
+        if len(self._bases) == 1 or self._at != at:
+            return
+        self._at = (at + 1) % len(self._bases)
+        log.info(
+            "ingress %s did not answer (%s); moving to %s", self._bases[at], error, self.base_url
+        )
+
     def _post_once(
         self,
+        at: int,
         path: str,
         payload: Mapping[str, JsonValue] | None,
         headers: Mapping[str, str],
         timeout_s: float | None,
     ) -> Any:
         timeout = httpx.Timeout(timeout_s) if timeout_s is not None else httpx.USE_CLIENT_DEFAULT
-        url = self._urls.get(path)
+        url = self._urls.get((at, path))
         if url is None:
-            url = self._urls[path] = httpx.URL(self._base_url + path)
+            url = self._urls[at, path] = httpx.URL(self._bases[at] + path)
         try:
             response = self._http.post(url, json=payload, headers=dict(headers), timeout=timeout)
         except (httpx.ConnectError, httpx.ConnectTimeout) as error:
@@ -319,10 +358,7 @@ class IngressClient:
         except httpx.HTTPError as error:
             raise IngressUnavailable(f"{type(error).__name__}: {error}") from None
         if response.status_code >= 500:
-            raise IngressUnavailable(
-                f"ingress answered {response.status_code}",
-                store_down=response.status_code == STORE_UNAVAILABLE,
-            )
+            raise IngressUnavailable(f"ingress answered {response.status_code}")
         try:
             body = response.json()
         except ValueError:

@@ -15,9 +15,10 @@ the remote worker's loop (:class:`ql3.adapters.worker.runtime.Worker`) expects o
   with the status the node would answer (:func:`~ql3.adapters.worker.inprocess.refusal`);
 - a call the store could not make (the database is down or restarting, a connection broke) is
   made again after a pause, doubling up to :data:`RETRY_CAP_S`: for as long as the database
-  stays away while the worker has a session (the node's 503: ADR 0018), within the budget
-  otherwise; past it the call raises :class:`~ql3.adapters.worker.protocol.IngressUnavailable`.
-  A failed transaction rolled back: nothing is known to have changed;
+  stays away while the worker has a session (ADR 0028), with a warning each budget spent,
+  within the budget otherwise; past it the call raises
+  :class:`~ql3.adapters.worker.protocol.IngressUnavailable`. A failed transaction rolled back:
+  nothing is known to have changed;
 - the long poll: a claim that got nothing because nothing is queued (or the dispatch gate is
   closed) waits up to ``wait_ms`` for a wake-up of the dispatch channel, heard on the worker's
   own LISTEN connection, and claims again; another call of the session (a completion sent
@@ -27,6 +28,7 @@ the remote worker's loop (:class:`ql3.adapters.worker.runtime.Worker`) expects o
 
 from __future__ import annotations
 
+import logging
 import random
 import threading
 import time
@@ -49,6 +51,8 @@ from ql3.adapters.worker.protocol import (
 from ql3.application.worker_commands import WorkerCommands
 
 T = TypeVar("T")
+
+log = logging.getLogger("ql3.worker")
 
 RETRY_INITIAL_S = 0.05
 RETRY_CAP_S = 2.0
@@ -88,9 +92,8 @@ class DirectTransport:
         self.retry_budget_s = DEFAULT_RETRY_BUDGET_S
         # Asked between tries: true stops the repeating (the worker is stopping).
         self.give_up: Callable[[], bool] = lambda: False
-        # A session's call is repeated past the budget while the database is away (false
-        # once stopping).
-        self.wait_for_store = True
+        # A session's call is repeated past the budget until answered (false once stopping).
+        self.keep_trying = True
         self._changed = threading.Condition()
         self._wakes = 0
         self._other_calls = 0
@@ -124,7 +127,7 @@ class DirectTransport:
             "register",
             lambda: self._inner.register(worker_id, capacity, tasks),
             budget_s=budget_s,
-            while_store_down=False,
+            until_answered=False,
         )
 
     def heartbeat(self) -> Heartbeat:
@@ -215,10 +218,11 @@ class DirectTransport:
         call: Callable[[], T],
         *,
         budget_s: float | None = None,
-        while_store_down: bool = True,
+        until_answered: bool = True,
     ) -> T:
         budget = self.retry_budget_s if budget_s is None else budget_s
-        deadline = time.monotonic() + budget
+        started = time.monotonic()
+        deadline = started + budget
         pause = RETRY_INITIAL_S
         tries = 0
         while True:
@@ -230,13 +234,20 @@ class DirectTransport:
                 if refused is not None:
                     raise refused from None
                 now = time.monotonic()
-                if while_store_down and self.wait_for_store:
-                    deadline = max(deadline, now + budget)
+                if now >= deadline and until_answered and self.keep_trying and not self.give_up():
+                    log.warning(
+                        "the database has not answered %s for %.0f s (%d tries: %s: %s); trying on",
+                        what,
+                        now - started,
+                        tries,
+                        type(error).__name__,
+                        _first_line(error),
+                    )
+                    deadline = now + budget
                 if now >= deadline or self.give_up():
                     raise IngressUnavailable(
                         f"the database did not answer {what} within {budget:.1f} s "
-                        f"({tries} tries): {type(error).__name__}: {_first_line(error)}",
-                        store_down=True,
+                        f"({tries} tries): {type(error).__name__}: {_first_line(error)}"
                     ) from None
                 until = min(now + random.uniform(pause / 2, pause), deadline)
                 while (left := until - time.monotonic()) > 0 and not self.give_up():

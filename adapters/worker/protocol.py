@@ -31,13 +31,11 @@ ITEM_STATUS = {
 class IngressUnavailable(Exception):
     """The ingress could not be reached or kept failing for the whole retry budget; nothing is
     known about the outcome, unless ``sent`` is false: then no request ever left (no
-    connection), and nothing changed. ``store_down``: the ingress answered that its store is
-    unavailable (503)."""
+    connection), and nothing changed."""
 
-    def __init__(self, message: str, *, sent: bool = True, store_down: bool = False) -> None:
+    def __init__(self, message: str, *, sent: bool = True) -> None:
         super().__init__(message)
         self.sent = sent
-        self.store_down = store_down
 
 
 class IngressRefused(Exception):
@@ -259,12 +257,12 @@ class RemoteTransport(Transport, Protocol):
     """A transport of a worker process (:class:`ql3.adapters.worker.runtime.Worker`): over
     HTTP to a node (:class:`ql3.adapters.worker.client.IngressClient`) or to the database
     itself (:class:`ql3.adapters.worker.direct.DirectTransport`). A call that could not be made
-    is made again for ``retry_budget_s`` (past it while the store is down and
-    ``wait_for_store``), unless ``give_up`` says to stop."""
+    is made again for ``retry_budget_s`` (a registered session's call: until answered, while
+    ``keep_trying``), unless ``give_up`` says to stop."""
 
     retry_budget_s: float
     give_up: Callable[[], bool]
-    wait_for_store: bool
+    keep_trying: bool
 
     def set_timeout(self, timeout_s: float) -> None: ...
 

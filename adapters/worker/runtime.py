@@ -22,10 +22,16 @@ slot is handed back with ``release``, so its Run is queued again for another wor
 the session is closed. **Stop** (a second signal, or a failure): every task is stopped and
 reported, the session closed.
 
-A call the ingress does not answer is repeated by the client for a bounded time (the lease TTL,
-at least 5 s, see :class:`~.settings.Timings`); past it, or when the session is gone, the
-worker stops and :meth:`Worker.run` raises :class:`WorkerFailed`. While the ingress answers
-that its database is down (503), the worker waits for it, however long (ADR 0018)."""
+**Outages** (ADR 0028): a call of the session that gets no answer (the node is down or cut
+off, its database is down, a direct worker's database restarts) is repeated until it is
+answered, at the next of the ingress's URLs when it has several, with a warning every give-up
+time (the lease TTL, at least 5 s, see :class:`~.settings.Timings`); meanwhile the watchdog
+stops each task when its lease ends, and the worker reports those stops once it is answered
+again. The session lives in the database and nothing ends it for silence, so the worker goes on
+with it. :meth:`Worker.run` raises :class:`WorkerFailed` when the session is refused (closed,
+replaced by a process with the same worker id, or its credential revoked), when the first
+registration gets no answer within the register timeout, or when a drain outlasts its timeout
+without an answer; a second signal stops the worker at once."""
 
 from __future__ import annotations
 
@@ -72,6 +78,7 @@ class Worker:
         # Set from signal handlers: plain attributes, read by the lifecycle loop (a handler
         # must not wait for a lock the interrupted thread may hold).
         self._drain_requested = False
+        self._drain_requested_at = 0.0
         self._stop_requested = False
         self._node_drain: str | None = None
         self._registering = False
@@ -99,6 +106,7 @@ class Worker:
 
     def request_drain(self) -> None:
         """Finish what runs, hand back what never began, take no new work, close the session."""
+        self._drain_requested_at = time.monotonic()
         self._drain_requested = True
 
     def request_stop(self) -> None:
@@ -106,9 +114,15 @@ class Worker:
         self._stop_requested = True
 
     def _gives_up(self) -> bool:
-        """Whether the client stops repeating a call: the worker stops, or a drain was asked
-        before the session exists."""
-        return self._stop_requested or (self._registering and self._drain_requested)
+        """Whether the client stops repeating a call: the worker stops, a drain was asked
+        before the session exists, or a drain has outlasted its timeout."""
+        if self._stop_requested:
+            return True
+        if not self._drain_requested:
+            return False
+        return self._registering or (
+            time.monotonic() - self._drain_requested_at > self.settings.drain_timeout_s
+        )
 
     def _on_node_drain(self, why: str) -> None:
         if self._node_drain is None:
@@ -262,7 +276,7 @@ class Worker:
         ledger = self.ledger
         ledger.set_mode(Mode.STOPPING)
         self._client.retry_budget_s = min(self._client.retry_budget_s, FINAL_BUDGET_S)
-        self._client.wait_for_store = False
+        self._client.keep_trying = False
         kill_tasks(ledger.stop_running(f"the worker was {why}", "worker_stopped"), why)
         deadline = time.monotonic() + min(5.0, max(1.0, timings.ttl_s))
         with ledger.lock:
@@ -305,7 +319,7 @@ class Worker:
 
 def _default_client(settings: WorkerSettings) -> RemoteTransport:
     return IngressClient(
-        settings.ingress_url,
+        settings.ingress_urls,
         timeout_s=settings.request_timeout_s,
         registration_token=settings.registration_token,
         ca_file=settings.ca_file,

@@ -18,6 +18,8 @@ class WorkerFailed(Exception):
 
 @dataclass(frozen=True, slots=True)
 class WorkerSettings:
+    # The node's URL; several, separated by commas, are one ingress at several addresses (the
+    # nodes of one cluster), tried in turn.
     ingress_url: str
     app_spec: str
     worker_id: str
@@ -29,14 +31,18 @@ class WorkerSettings:
     poll_interval_s: float | None = None
     request_timeout_s: float = 5.0
     register_timeout_s: float = 30.0
-    # How long a call keeps being repeated while the ingress does not answer (or answers 5xx
-    # other than a session call's 503, which is repeated until the database is back) before
-    # the worker gives up and exits; None: the lease TTL, at least 5 s.
+    # How long a call keeps being repeated while the ingress does not answer (or answers 5xx)
+    # before it fails; a call of a registered session is repeated on, with a warning each time
+    # this passes (ADR 0028). None: the lease TTL, at least 5 s.
     give_up_s: float | None = None
     registration_token: str | None = None
     # PEM file of the certificate authorities an https:// ingress is verified against; None:
     # the system's.
     ca_file: str | None = None
+
+    @property
+    def ingress_urls(self) -> tuple[str, ...]:
+        return tuple(url.strip() for url in self.ingress_url.split(",") if url.strip())
 
     def __post_init__(self) -> None:
         if not 1 <= self.concurrency <= MAX_CAPACITY:

@@ -186,9 +186,9 @@ class Cluster:
                 conn.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(role)))
                 conn.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
 
-    def start_node(self, ingress_database_url: str | None = None) -> str:
+    def start_node(self, ingress_database_url: str | None = None, *, port: int = 0) -> str:
         index = len(self.nodes)
-        argv = ["serve", "--port", "0", "--lease-ttl", str(LEASE_TTL_S),
+        argv = ["serve", "--port", str(port), "--lease-ttl", str(LEASE_TTL_S),
                 "--cadence", str(CADENCE_S)]
         if ingress_database_url:
             argv += ["--ingress-database-url", ingress_database_url]
@@ -199,14 +199,16 @@ class Cluster:
         return url
 
     def start_worker(self, prefix: str, worker_id: str, ledger: Ledger, *, concurrency: int = 1,
-                     node: int = 0, name: str | None = None) -> Process:
+                     node: int | tuple[int, ...] = 0, name: str | None = None) -> Process:
         """``ql3 worker`` with its defaults but the concurrency: its claims wait at the node
-        (a long poll) and pick work up as soon as it is queued."""
+        (a long poll) and pick work up as soon as it is queued. ``node``: the node it reaches,
+        or the nodes, in turn."""
         if self.worker_form == "direct":
             assert self.direct_url is not None
             reach = ["--database-url", self.direct_url, "--lease-ttl", str(LEASE_TTL_S)]
         else:
-            reach = ["--ingress", self.nodes[node]]
+            nodes = (node,) if isinstance(node, int) else node
+            reach = [arg for n in nodes for arg in ("--ingress", self.nodes[n])]
         return self._spawn(
             name or f"worker-{worker_id}-{len(self.processes)}",
             ["worker", *reach, "--app", "tests.e2e.tasks:app",

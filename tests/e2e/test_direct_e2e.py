@@ -2,21 +2,25 @@
 functions on the database as a login role of ``ql3 db grant-ingress``, with no node between;
 the node still runs the scheduler (recovery, retries, timeouts' verdicts). The tests are the
 HTTP suite's own, collected here once more on a cluster whose workers are direct; those that are
-about a node (a lost claim answer, two nodes, a node that stays away) stay HTTP-only."""
+about a node (a lost claim answer, two nodes, a node that stays away) stay HTTP-only. A direct
+worker's own outage is its database going away (ADR 0028)."""
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 
 import psycopg
 import pytest
 from psycopg import sql
+from sqlalchemy.engine import make_url
 
 from ql3.adapters.postgres.listen import libpq_conninfo
-from tests.e2e.conftest import Cluster, torn_down
+from tests.e2e.conftest import LEASE_TTL_S, Cluster, Ledger, torn_down, wait_for
 from tests.e2e.test_cancel_e2e import (
     test_a_running_task_is_stopped_when_its_run_is_cancelled as test_cancel,
 )
@@ -126,3 +130,33 @@ def test_z_a_direct_workers_role_writes_no_table_and_reads_no_credential(
         for table in ("worker_credentials", "worker_credential_events"):
             with pytest.raises(psycopg.errors.InsufficientPrivilege):
                 conn.execute(sql.SQL("SELECT 1 FROM {} LIMIT 1").format(sql.Identifier(table)))
+
+
+def test_y_a_direct_worker_rides_out_its_database_going_away(
+    cluster: Cluster, ledger: Ledger
+) -> None:
+    """The worker's role may not log in and its connections are cut for longer than the lease
+    TTL (at least 5 s): the worker keeps trying, then goes on with the same session."""
+    assert cluster.direct_url is not None
+    role = make_url(cluster.direct_url).username
+    worker = cluster.start_worker("y", "worker-y", ledger)
+    wait_for(lambda: "registered session" in worker.output(), 20, "the worker to register")
+    with psycopg.connect(libpq_conninfo(cluster.database_url), autocommit=True) as admin:
+        admin.execute(sql.SQL("ALTER ROLE {} NOLOGIN").format(sql.Identifier(role)))
+        try:
+            admin.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = %s",
+                (role,),
+            )
+            runs = [cluster.submit("y.double", {"n": n}) for n in range(3)]
+            time.sleep(max(LEASE_TTL_S, 5.0) + 1.5)
+            assert worker.popen.poll() is None, worker.output()
+            assert "has not answered" in worker.output()
+            assert {cluster.status(r) for r in runs} == {"queued"}
+        finally:
+            admin.execute(sql.SQL("ALTER ROLE {} LOGIN").format(sql.Identifier(role)))
+    cluster.wait_status(runs, {"succeeded"})
+    assert worker.output().count("registered session") == 1, worker.output()
+    worker.signal(signal.SIGTERM)
+    assert worker.wait(timeout=30) == 0, worker.output()
+    assert "Traceback" not in worker.output()

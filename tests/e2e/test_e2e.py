@@ -348,22 +348,33 @@ def test_g_a_lost_claim_answer_is_handed_back_while_the_worker_lives(
         assert [e["attempt"] for e in ledger.entries("start", run_id)] == [1]
 
 
-def test_h_a_worker_whose_node_stays_away_gives_up(cluster: Cluster, ledger: Ledger) -> None:
-    index = len(cluster.nodes)
+def test_h_a_worker_outlives_its_nodes(cluster: Cluster, ledger: Ledger) -> None:
+    """Two nodes: the first is killed, the worker moves to the second; the second stops too,
+    the worker waits past the lease TTL (at least 5 s) for a node, and goes on with the same
+    session once a node listens at the first's address again."""
+    first, second = len(cluster.nodes), len(cluster.nodes) + 1
     cluster.start_node()
-    (node,) = [p for p in cluster.processes if p.name == f"node-{index}"]
-    worker = cluster.start_worker("h", "worker-h", ledger, node=index)
+    cluster.start_node()
+    nodes = {p.name: p for p in cluster.processes}
+    worker = cluster.start_worker("h", "worker-h", ledger, node=(first, second))
     wait_for(lambda: "registered session" in worker.output(), 20, "the worker to register")
-    # From the signal: the worker's first refused call comes after it, however long the node
-    # takes to finish stopping.
-    stopped_at = time.monotonic()
-    node.signal(signal.SIGTERM)
-    assert node.wait() == 0, node.output()
-    # It keeps trying for the lease TTL (at least 5 s), then exits 1 with one line.
-    status = worker.wait(timeout=30)
-    waited = time.monotonic() - stopped_at
-    assert status == 1, worker.output()
-    assert max(LEASE_TTL_S, 5.0) - 1 < waited < 20, worker.output()
-    (line,) = [x for x in worker.output().splitlines() if x.startswith("ql3: ")]
-    assert "cannot reach the ingress" in line
+    nodes[f"node-{first}"].signal(signal.SIGKILL)
+    nodes[f"node-{first}"].wait()
+    runs = [cluster.submit("h.double", {"n": n}) for n in range(3)]
+    cluster.wait_status(runs, {"succeeded"})
+    assert "moving to " + cluster.nodes[second] in worker.output()
+
+    nodes[f"node-{second}"].signal(signal.SIGTERM)
+    assert nodes[f"node-{second}"].wait() == 0
+    later = [cluster.submit("h.double", {"n": n}) for n in range(3, 6)]
+    time.sleep(max(LEASE_TTL_S, 5.0) + 1.5)
+    assert worker.popen.poll() is None, worker.output()
+    assert "has not answered" in worker.output()
+    port = int(cluster.nodes[first].rsplit(":", 1)[1])
+    cluster.start_node(port=port)
+    cluster.wait_status(later, {"succeeded"})
+    output = worker.output()
+    assert output.count("registered session") == 1, output
+    worker.signal(signal.SIGTERM)
+    assert worker.wait(timeout=30) == 0, worker.output()
     assert "Traceback" not in worker.output()

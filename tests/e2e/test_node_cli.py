@@ -26,6 +26,9 @@ def _one_line(err: str, needle: str) -> None:
                       "--worker-id", "w"], 2, "cannot import", id="worker-bad-app"),
         pytest.param(["worker", "--ingress", "ftp://x", "--app", "tests.e2e.tasks:app",
                       "--worker-id", "w"], 2, "http://", id="worker-bad-ingress"),
+        pytest.param(["worker", "--ingress", "http://127.0.0.1:9", "--ingress",
+                      "http://a:1,http://b:1", "--app", "tests.e2e.tasks:app", "--worker-id", "w"],
+                     2, "once per node", id="worker-ingress-list-in-one"),
         pytest.param(["worker", "--ingress", "http://127.0.0.1:9", "--app",
                       "tests.e2e.tasks:app", "--worker-id", "w", "--concurrency", "0"],
                      2, "concurrency", id="worker-bad-concurrency"),
@@ -46,7 +49,8 @@ def test_errors_are_one_line(argv: list[str], status: int, needle: str,
 def test_a_worker_that_cannot_reach_its_ingress_fails() -> None:
     done = subprocess.run(
         [sys.executable, "-m", "ql3.adapters.cli.main", "worker", "--ingress", "http://127.0.0.1:9",
-         "--app", "tests.e2e.tasks:app", "--worker-id", "w", "--register-timeout", "0.3"],
+         "--ingress", "http://127.0.0.1:7", "--app", "tests.e2e.tasks:app", "--worker-id", "w",
+         "--register-timeout", "0.3"],
         cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=60,
     )
     assert done.returncode == 1

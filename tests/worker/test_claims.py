@@ -279,36 +279,74 @@ def test_an_output_the_ingress_refuses_fails_the_attempt() -> None:
 def test_the_client_repeats_5xx_and_gives_up_after_its_budget() -> None:
     node = FakeNode()
     client = IngressClient(URL, transport=node.transport(), retry_budget_s=0.6)
-    client.register("w1", 1, ["t.double"])
     node.unavailable_status = 502
-    node.unavailable.add("heartbeat")
+    node.unavailable.add("register")
     started = time.monotonic()
-    with pytest.raises(IngressUnavailable, match=r"did not answer heartbeat within 0\.6 s"):
-        client.heartbeat()
+    with pytest.raises(IngressUnavailable, match=r"did not answer sessions within 0\.6 s"):
+        client.register("w1", 1, ["t.double"])
     assert 0.6 <= time.monotonic() - started < 1.5
-    assert len(node.commands("heartbeat")) >= 3
+    assert len(node.commands("register")) >= 3
     node.unavailable.clear()
+    client.register("w1", 1, ["t.double"])
     assert client.heartbeat().status == "active"
 
 
-def test_the_client_waits_past_its_budget_while_the_ingress_says_its_store_is_down() -> None:
+@pytest.mark.parametrize("status", [503, 502])
+def test_a_sessions_call_is_repeated_past_its_budget_until_answered(
+    status: int, caplog: pytest.LogCaptureFixture
+) -> None:
     node = FakeNode()
     client = IngressClient(URL, transport=node.transport(), retry_budget_s=0.3)
     client.register("w1", 1, ["t.double"])
-    node.unavailable.add("heartbeat")  # 503: the node is there, its database is not
+    # 503: the node is there, its database is not; 502: no node behind a proxy.
+    node.unavailable_status = status
+    node.unavailable.add("heartbeat")
     back = threading.Timer(1.2, node.unavailable.clear)
     back.start()
     started = time.monotonic()
     try:
-        assert client.heartbeat().status == "active"
+        with caplog.at_level("WARNING", logger="ql3.worker"):
+            assert client.heartbeat().status == "active"
     finally:
         back.cancel()
-    assert time.monotonic() - started >= 1.2  # four budgets and more: still waiting
-    # Once the worker stops it no longer waits for the store.
-    client.wait_for_store = False
+    assert time.monotonic() - started >= 1.2  # four budgets and more: still trying
+    warned = [
+        r.getMessage() for r in caplog.records if "has not answered heartbeat" in r.getMessage()
+    ]
+    assert 2 <= len(warned) <= 5, warned
+    # Once the worker stops it no longer keeps trying.
+    client.keep_trying = False
     node.unavailable.add("heartbeat")
     with pytest.raises(IngressUnavailable, match=r"did not answer heartbeat within 0\.3 s"):
         client.heartbeat()
+
+
+def test_the_client_moves_to_the_next_url_when_one_does_not_answer() -> None:
+    node = FakeNode()
+    down = {"http://node-a"}
+    tried: list[str] = []
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        base = f"{request.url.scheme}://{request.url.host}"
+        tried.append(base)
+        if base in down:
+            raise httpx.ConnectError("connection refused", request=request)
+        return node.handle(request)
+
+    client = IngressClient(
+        ["http://node-a", "http://node-b/"], transport=httpx.MockTransport(handle), retry_budget_s=5
+    )
+    client.register("w1", 1, ["t.double"])
+    assert tried == ["http://node-a", "http://node-b"]
+    assert client.base_url == "http://node-b"
+    assert client.heartbeat().status == "active"
+    assert tried[-1] == "http://node-b"
+    # Node b goes away, node a is back: the session goes on at node a.
+    down = {"http://node-b"}
+    assert client.heartbeat().status == "active"
+    assert tried[-2:] == ["http://node-b", "http://node-a"]
+    assert client.base_url == "http://node-a"
+    assert len(node.sessions) == 1
 
 
 def test_the_client_never_repeats_a_4xx() -> None:
@@ -322,15 +360,26 @@ def test_the_client_never_repeats_a_4xx() -> None:
     assert len(node.commands("heartbeat")) == 1
 
 
-def test_a_worker_whose_ingress_stays_away_fails_after_the_give_up_time() -> None:
+def test_a_worker_whose_ingress_stays_away_stops_its_tasks_keeps_its_session_and_goes_on() -> None:
     node, children = FakeNode(lease_ttl_ms=1000), FakeChildren()
-    worker = _start(node, children, concurrency=1, give_up_s=0.8, poll_interval_s=0.2)
-    node.wait_for(lambda: len(node.claims) >= 1)
-    node.unavailable_status = 502
+    sleeper = node.submit("t.sleep", {"seconds": 30})
+    worker = _start(node, children, concurrency=1, give_up_s=0.5, poll_interval_s=0.2)
+    node.wait_for(lambda: children.ran(sleeper) == 1)
+    node.unavailable_status = 502  # no node answers
     node.unavailable.add("*")
-    result = worker.join(timeout=10)
-    assert isinstance(result, WorkerFailed)
-    assert "cannot reach the ingress" in str(result)
+    # The lease ends meanwhile: the watchdog stops the task; the worker waits for its node.
+    node.wait_for(lambda: sleeper in children.killed, timeout=5)
+    time.sleep(1.0)  # two give-up times more
+    assert worker.thread.is_alive() and worker.result is None
+    node.unavailable.clear()
+    # Back: the stop is reported (past the lease: recorded), recovery loses the Attempt, and
+    # the same session takes new work.
+    node.wait_for(lambda: [i["attempt_id"] for i in node.items("abandon")] == [sleeper])
+    node.recover(sleeper)
+    doubled = node.submit("t.double", {"n": 4})
+    node.wait_for(lambda: node.run(doubled).status == "succeeded")
+    assert len(node.commands("register")) == 1
+    assert _drain(worker) == 0
 
 
 def test_a_worker_rides_out_a_database_outage_and_completes_what_finished_meanwhile() -> None:
@@ -358,6 +407,21 @@ def test_a_refused_session_fails_the_worker_at_once() -> None:
         node.cond.notify_all()
     result = worker.join(timeout=10)
     assert isinstance(result, WorkerFailed) and "session lost" in str(result)
+
+
+def test_a_drain_during_an_outage_stops_at_its_timeout() -> None:
+    node, children = FakeNode(lease_ttl_ms=1000), FakeChildren()
+    worker = _start(
+        node, children, concurrency=1, give_up_s=0.3, poll_interval_s=0.2, drain_timeout_s=0.8
+    )
+    node.wait_for(lambda: len(node.claims) >= 1)
+    node.unavailable_status = 502
+    node.unavailable.add("*")
+    started = time.monotonic()
+    worker.worker.request_drain()
+    result = worker.join(timeout=10)
+    assert isinstance(result, WorkerFailed) and "cannot reach the ingress" in str(result)
+    assert 0.8 <= time.monotonic() - started < 5
 
 
 # --- the ledger -------------------------------------------------------------------------------
