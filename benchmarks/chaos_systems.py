@@ -4,7 +4,8 @@ producer it can call, and a verdict on every job at the end.
 * **QL3**: two ``ql3 serve`` nodes (fixed ports, so a restarted node keeps its URL) and two
   ``ql3 worker`` processes on one migrated database: direct workers (``--database-url``, as a
   login role made by ``ql3 db grant-ingress``; ADR 0026) by default, or with ``--ql3-workers
-  http`` workers of the nodes (``--ingress``), worker *i* on node *i*. Jobs are Runs of
+  http`` workers of the nodes (``--ingress`` for each node, worker *i* on node *i* first:
+  it moves to the other node while its own does not answer, ADR 0028). Jobs are Runs of
   ``bench.ledger`` admitted with ``Admission.submit`` in turn with three policies: idempotent
   with retry on lost, unsafe (retry on lost asked for, which an unsafe Run never gets) and no
   policy. A Run is finished when it is terminal; one that is not is *waiting for evidence* when
@@ -197,7 +198,8 @@ class Ql3(System):
         for index, url in enumerate(urls):
             worker_id = f"chaos-worker-{index}"
             if direct_url is None:
-                spawn = partial(self.processes.start_worker, url, worker_id, self.worker_flags)
+                reach = [url, *(u for u in urls if u != url)]
+                spawn = partial(self.processes.start_worker, reach, worker_id, self.worker_flags)
             else:
                 argv = direct_worker_argv(direct_url, worker_id, self.worker_flags)
                 spawn = partial(self.processes.start, worker_id, argv)

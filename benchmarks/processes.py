@@ -109,9 +109,12 @@ def node_argv(flags: Sequence[str], port: int = 0) -> list[str]:
     return ["serve", "--port", str(port), *flags]
 
 
-def worker_argv(node_url: str, worker_id: str, flags: Sequence[str]) -> list[str]:
-    """The command line of a benchmark's worker on the benchmark tasks."""
-    return ["worker", "--ingress", node_url, "--app", APP_SPEC, "--worker-id", worker_id, *flags]
+def worker_argv(node_url: str | Sequence[str], worker_id: str, flags: Sequence[str]) -> list[str]:
+    """The command line of a benchmark's worker on the benchmark tasks, reaching one node or
+    several, in turn."""
+    urls = [node_url] if isinstance(node_url, str) else list(node_url)
+    reach = [arg for url in urls for arg in ("--ingress", url)]
+    return ["worker", *reach, "--app", APP_SPEC, "--worker-id", worker_id, *flags]
 
 
 def direct_worker_argv(database_url: str, worker_id: str, flags: Sequence[str]) -> list[str]:
@@ -217,7 +220,9 @@ class Processes:
             raise BenchmarkError(f"the node at {url[0]} is not healthy: {health}")
         return process, url[0]
 
-    def start_worker(self, node_url: str, worker_id: str, flags: Sequence[str]) -> Process:
+    def start_worker(
+        self, node_url: str | Sequence[str], worker_id: str, flags: Sequence[str]
+    ) -> Process:
         """``ql3 worker`` on the benchmark tasks; it registers in the background."""
         return self._spawn(f"worker-{worker_id}", worker_argv(node_url, worker_id, flags))
 
