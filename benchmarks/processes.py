@@ -330,6 +330,24 @@ def tree_cpu_seconds(pid: int) -> float:
     return total / _clock_ticks()
 
 
+def tree_rss_mb(pid: int) -> float | None:
+    """The resident memory of ``pid`` and every process under it, in MiB (``VmRSS``: pages
+    shared between them, such as a forked child's, count in each); None when ``pid`` is gone
+    or /proc is not there."""
+    total_kb = 0
+    found = False
+    for member in _descendants(pid, _children_by_parent()):
+        try:
+            lines = (PROC / str(member) / "status").read_text().splitlines()
+        except OSError:
+            continue
+        for line in lines:
+            if line.startswith("VmRSS:"):
+                total_kb += int(line.split()[1])
+                found = found or member == pid
+    return round(total_kb / 1024, 1) if found else None
+
+
 def _command(pid: int) -> str:
     try:
         return (PROC / str(pid) / "comm").read_text().strip()

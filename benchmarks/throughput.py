@@ -1,37 +1,52 @@
-"""Throughput through the worker ingress against PgQueuer, on the same server in the same run.
+"""Throughput of both worker forms against PgQueuer and Procrastinate, on the same server in the
+same run.
 
 QL3 side: a migrated throwaway database and one ``ql3 serve`` node at its defaults for the whole
-run. Each round admits ``--runs`` no-op Runs (``bench.noop``, no policy) through the bulk
-admission API (``Admission.submit_many``, one transaction per batch of ``--admit-batch``) ->
-``admitted_per_s``; then starts one ``ql3 worker --concurrency 8`` process (every other setting at
-its default) and polls the database (every ~20 ms) until every Run has ``succeeded`` ->
-``worked_per_s = runs / (all succeeded - worker spawned)``. The worker's start-up (interpreter,
-one child process per slot, registration) is inside that interval; ``startup_s`` shows how much
-of it that was. The worker is drained with SIGTERM and must exit 0; every Run must end with one
-``succeeded`` Attempt whose lease is ``released`` on ``completed``. Every flag the node and the
-worker get is printed with the result.
+run. Each round and form admits ``--runs`` no-op Runs (``bench.noop``, no policy) through the
+bulk admission API (``Admission.submit_many``, one transaction per batch of ``--admit-batch``)
+-> ``admitted_per_s``; then starts one ``ql3 worker --concurrency 8`` process (every other
+setting at its default) in one of the two forms of ADR 0026: ``direct`` (``--database-url``, as
+a login role made by ``ql3 db grant-ingress``: the worker calls the fenced functions itself)
+and ``http`` (``--ingress``: through the node). It polls the database (every ~20 ms) until
+every Run has ``succeeded`` -> ``{form}_worked_per_s = runs / (all succeeded - worker
+spawned)``. The worker's start-up (interpreter, one child process per slot, registration) is
+inside that interval; ``startup_s_median_{form}`` shows how much of it that was. The worker is
+drained with SIGTERM and must exit 0; every Run must end with one ``succeeded`` Attempt whose
+lease is ``released`` on ``completed``. Every flag the node and the workers get is printed with
+the result.
 
 CPU per Attempt, over the same interval (worker spawned -> all succeeded), divided by the runs,
 read from ``/proc/<pid>/stat`` (utime + stime, plus cutime + cstime of reaped children):
-``cpu_ms_per_attempt_node`` is the ``ql3 serve`` process (the difference between the two
-readings); ``cpu_ms_per_attempt_worker`` the ``ql3 worker`` process and every process under it
-(its slot children), read once at the end, before the drain: the whole worker lives inside the
-interval, start-up included; ``cpu_ms_per_attempt_postgres`` the PostgreSQL server (its
-postmaster and every process under it: backends, WAL writer, checkpointer, ...; a backend that
-exits in between is counted through the postmaster's reaped children), less the benchmark's own
-polling session. The server must run on this machine for that one (else it is null); whatever
-else the server does at the time is counted too.
+``cpu_ms_per_attempt_node_{form}`` is the ``ql3 serve`` process (the difference between the two
+readings); ``cpu_ms_per_attempt_worker_{form}`` the ``ql3 worker`` process and every process
+under it (its slot children), read once at the end, before the drain: the whole worker lives
+inside the interval, start-up included; ``cpu_ms_per_attempt_postgres_{form}`` the PostgreSQL
+server (its postmaster and every process under it: backends, WAL writer, checkpointer, ...; a
+backend that exits in between is counted through the postmaster's reaped children), less the
+benchmark's own polling session. The server must run on this machine for that one (else it is
+null); whatever else the server does at the time is counted too.
 
-PgQueuer side (the ``bench`` extra: ``pip install -e '.[bench]'``): its schema installed by
-its own ``Queries.install()`` in a throwaway database of its own; each round enqueues the same
-number of no-op jobs in one ``Queries.enqueue`` call -> ``pgqueuer_enqueue_per_s``, then one
-``QueueManager`` (asyncpg) with 8 slots (``max_concurrent_tasks=8`` and the largest batch that
-cap allows, 4) runs in drain mode until the queue is empty -> ``pgqueuer_worked_per_s``.
+Resident memory (``VmRSS`` from ``/proc/<pid>/status``, MiB): the node's process and the worker's
+tree (the worker and its slot children), once a tenth of the round's Runs have succeeded
+(``rss_mb_{node,worker}_10pct_{form}``) and when all have (``rss_mb_{node,worker}_end_{form}``),
+medians over the rounds. Target: every end figure within 10 % of its 10 % mark.
 
-The two sides alternate (their order flips every round) for ``--rounds`` rounds; figures are
+References (the ``bench`` extra: ``pip install -e '.[bench]'``), each in a throwaway database of
+its own with its schema installed by its own code, run in this process:
+
+- PgQueuer: each round enqueues the same number of no-op jobs in one ``Queries.enqueue`` call
+  -> ``pgqueuer_enqueue_per_s``, then one ``QueueManager`` (asyncpg) with 8 slots
+  (``max_concurrent_tasks=8`` and the largest batch that cap allows, 4) runs in drain mode
+  until the queue is empty -> ``pgqueuer_worked_per_s``;
+- Procrastinate: each round defers the same number of no-op jobs in one ``batch_defer_async``
+  call, then one worker (``run_worker_async(concurrency=8, wait=False)``, psycopg) runs until
+  the queue is empty -> ``procrastinate_worked_per_s``.
+
+The sides take turns (their order rotates every round) for ``--rounds`` rounds; figures are
 medians over the rounds and ``ratio`` is the median of the per-round ratios
-``worked_per_s / pgqueuer_worked_per_s``. Targets: ``ratio >= 1.0`` and
-``admitted_per_s >= pgqueuer_enqueue_per_s / 3``.
+``direct_worked_per_s / pgqueuer_worked_per_s`` (``http_ratio`` likewise,
+``procrastinate_ratio`` for direct against Procrastinate, reported). Targets: ``ratio >= 1.0``,
+``http_ratio >= 0.5`` and ``admitted_per_s >= pgqueuer_enqueue_per_s / 3``.
 """
 
 from __future__ import annotations
@@ -69,6 +84,7 @@ from benchmarks.processes import (
     node_argv,
     role_url,
     tree_cpu_seconds,
+    tree_rss_mb,
     worker_argv,
 )
 from benchmarks.tasks import NOOP
@@ -76,6 +92,9 @@ from benchmarks.tasks import NOOP
 TARGET_RATIO = 1.0  # direct / PgQueuer
 TARGET_HTTP_RATIO = 0.5  # http / PgQueuer
 TARGET_ADMISSION_FRACTION = 1 / 3  # of PgQueuer's enqueue rate
+TARGET_RSS_GROWTH = 0.10  # the end of a round's work against its 10 % mark
+RSS_MARK = 0.10  # the share of a round's Runs done at the first memory reading
+PROCRASTINATE_QUEUE = "bench"
 SLOTS = 8
 WORKER_ID = "bench-throughput-worker"
 POLL_S = 0.02
@@ -126,6 +145,20 @@ def require_pgqueuer() -> str:
             " pip install -e '.[bench]'"
         ) from None
     return str(getattr(pgqueuer, "__version__", "unknown"))
+
+
+def require_procrastinate() -> str:
+    """Procrastinate's version; a clean failure when the ``bench`` extra is missing."""
+    try:
+        import procrastinate
+    except ImportError as error:
+        raise BenchmarkError(
+            f"the Procrastinate reference needs the bench extra ({error.name} is missing):"
+            " pip install -e '.[bench]'"
+        ) from None
+    from importlib.metadata import version
+
+    return str(getattr(procrastinate, "__version__", None) or version("procrastinate"))
 
 
 # --- QL3 ---------------------------------------------------------------------------------------
@@ -195,11 +228,14 @@ def ql3_round(
     server_cpu = server.seconds(excluding=poller) if server is not None else None
     worker = processes.start("worker", worker_command)
     registered_at: float | None = None
+    rss_mark: tuple[float | None, float | None] | None = None
     while True:
         row = conn.execute(_IN_FLIGHT).fetchone()
         assert row is not None
         left = int(row[0])
         now = time.monotonic()
+        if rss_mark is None and runs - left >= runs * RSS_MARK:
+            rss_mark = (tree_rss_mb(node.pid), tree_rss_mb(worker.pid))
         if registered_at is None:
             found = conn.execute(
                 "SELECT 1 FROM worker_sessions WHERE worker_id = %s AND status = 'active'",
@@ -215,6 +251,8 @@ def ql3_round(
         worker.check_alive()
         time.sleep(POLL_S)
     work_s = now - worker.started_at
+    rss_end = (tree_rss_mb(node.pid), tree_rss_mb(worker.pid))
+    rss_mark = rss_mark or rss_end
     worker_cpu = tree_cpu_seconds(worker.pid)
     node_cpu = tree_cpu_seconds(node.pid) - node_cpu
     if server is not None and server_cpu is not None:
@@ -230,6 +268,10 @@ def ql3_round(
         "cpu_ms_node": 1000 * node_cpu / runs,
         "cpu_ms_worker": 1000 * worker_cpu / runs,
         "cpu_ms_postgres": None if server_cpu is None else 1000 * server_cpu / runs,
+        "rss_mb_node_10pct": rss_mark[0],
+        "rss_mb_worker_10pct": rss_mark[1],
+        "rss_mb_node_end": rss_end[0],
+        "rss_mb_worker_end": rss_end[1],
     }
 
 
@@ -316,6 +358,57 @@ def pgqueuer_round(dsn: str, jobs: int) -> dict[str, float]:
     return asyncio.run(_pgqueuer_round(dsn, jobs))
 
 
+# --- Procrastinate -----------------------------------------------------------------------------
+
+
+def _procrastinate_app(conninfo: str, done: list[int]) -> Any:
+    import procrastinate
+
+    app = procrastinate.App(connector=procrastinate.PsycopgConnector(conninfo=conninfo))
+
+    @app.task(name=NOOP, queue=PROCRASTINATE_QUEUE)
+    async def noop(n: int) -> None:
+        done[0] += 1
+
+    return app
+
+
+async def _install_procrastinate(conninfo: str) -> None:
+    app = _procrastinate_app(conninfo, [0])
+    async with app.open_async():
+        await app.schema_manager.apply_schema_async()
+
+
+async def _procrastinate_round(conninfo: str, jobs: int) -> dict[str, float]:
+    done = [0]
+    app = _procrastinate_app(conninfo, done)
+    async with app.open_async():
+        watch = Stopwatch()
+        await app.tasks[NOOP].batch_defer_async(*({"n": n} for n in range(jobs)))
+        defer_s = watch.seconds()
+        watch = Stopwatch()
+        await app.run_worker_async(
+            queues=[PROCRASTINATE_QUEUE],
+            concurrency=SLOTS,
+            wait=False,
+            install_signal_handlers=False,
+            delete_jobs="never",
+        )
+        work_s = watch.seconds()
+    with connect(conninfo, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT count(*) FROM procrastinate_jobs WHERE status IN ('todo', 'doing')"
+        ).fetchone()
+    left = int(row[0]) if row is not None else -1
+    if done[0] != jobs or left:
+        raise BenchmarkError(f"Procrastinate ran {done[0]} of {jobs} jobs; {left} not done")
+    return {"enqueue_s": defer_s, "work_s": work_s}
+
+
+def procrastinate_round(conninfo: str, jobs: int) -> dict[str, float]:
+    return asyncio.run(_procrastinate_round(conninfo, jobs))
+
+
 # --- the command -------------------------------------------------------------------------------
 
 
@@ -342,6 +435,7 @@ def main(args: argparse.Namespace, admin: str) -> int:
     from ql3.bootstrap.cluster import build
 
     pgqueuer_version = require_pgqueuer()
+    procrastinate_version = require_procrastinate()
     total = Stopwatch()
     runs = args.runs
     admitted: list[float] = []
@@ -350,6 +444,12 @@ def main(args: argparse.Namespace, admin: str) -> int:
     ratios: dict[str, list[float]] = {form: [] for form in FORMS}
     reference: list[float] = []
     enqueued: list[float] = []
+    procrastinate: list[float] = []
+    procrastinate_ratios: list[float] = []
+    rss: dict[str, dict[str, list[float | None]]] = {
+        form: {f"{who}_{when}": [] for who in ("node", "worker") for when in ("10pct", "end")}
+        for form in FORMS
+    }
     cpu: dict[str, dict[str, list[float | None]]] = {
         form: {"node": [], "worker": [], "postgres": []} for form in FORMS
     }
@@ -358,10 +458,13 @@ def main(args: argparse.Namespace, admin: str) -> int:
         ingress_role(admin) as role,
         migrated_database(admin, "ql3_bench_throughput") as url,
         throwaway_database(admin, "ql3_bench_pgqueuer") as (_, pgqueuer_url),
+        throwaway_database(admin, "ql3_bench_procrastinate") as (_, procrastinate_url),
         Processes(url) as processes,
     ):
         dsn = asyncpg_dsn(pgqueuer_url)
         asyncio.run(install_pgqueuer(dsn))
+        procrastinate_dsn = asyncpg_dsn(procrastinate_url)
+        asyncio.run(_install_procrastinate(procrastinate_dsn))
         password = secrets.token_urlsafe(16)
         processes.ql3(
             "db",
@@ -397,18 +500,23 @@ def main(args: argparse.Namespace, admin: str) -> int:
                 f"throughput: {runs:,} no-op runs per side and round, {args.rounds} round(s);"
                 f" node: {node_command}; workers: {shown['direct']} | {shown['http']};"
                 f" PgQueuer {pgqueuer_version} max_concurrent_tasks={SLOTS}"
-                f" batch_size={PGQUEUER_BATCH}"
+                f" batch_size={PGQUEUER_BATCH}; Procrastinate {procrastinate_version}"
+                f" concurrency={SLOTS}"
             )
-            sides = ("direct", "http", "pgqueuer")
+            sides = ("direct", "http", "pgqueuer", "procrastinate")
             done = 0
             with connect(url, autocommit=True) as conn:
                 for index in range(1, args.rounds + 1):
                     ours: dict[str, dict[str, float | None]] = {}
                     theirs: dict[str, float] = {}
+                    second: dict[str, float] = {}
                     shift = (index - 1) % len(sides)
                     for side in sides[shift:] + sides[:shift]:
                         if side == "pgqueuer":
                             theirs = pgqueuer_round(dsn, runs)
+                            continue
+                        if side == "procrastinate":
+                            second = procrastinate_round(procrastinate_dsn, runs)
                             continue
                         done += runs
                         ours[side] = ql3_round(
@@ -423,6 +531,7 @@ def main(args: argparse.Namespace, admin: str) -> int:
                         )
                     reference.append(runs / theirs["work_s"])
                     enqueued.append(runs / theirs["enqueue_s"])
+                    procrastinate.append(runs / second["work_s"])
                     for form in FORMS:
                         figures = ours[form]
                         admitted.append(runs / float(figures["admit_s"] or 0.0))
@@ -430,12 +539,16 @@ def main(args: argparse.Namespace, admin: str) -> int:
                         startup[form].append(float(figures["startup_s"] or 0.0))
                         for name in cpu[form]:
                             cpu[form][name].append(figures[f"cpu_ms_{name}"])
+                        for name in rss[form]:
+                            rss[form][name].append(figures[f"rss_mb_{name}"])
                         ratios[form].append(worked[form][-1] / reference[-1])
+                    procrastinate_ratios.append(worked["direct"][-1] / procrastinate[-1])
                     say(
                         f"throughput: round {index}/{args.rounds}:"
                         f" direct {worked['direct'][-1]:,.0f}/s,"
                         f" http {worked['http'][-1]:,.0f}/s,"
                         f" PgQueuer enqueued {enqueued[-1]:,.0f}/s, worked {reference[-1]:,.0f}/s,"
+                        f" Procrastinate worked {procrastinate[-1]:,.0f}/s,"
                         f" ratios {ratios['direct'][-1]:.3f} / {ratios['http'][-1]:.3f}"
                     )
         finally:
@@ -448,20 +561,37 @@ def main(args: argparse.Namespace, admin: str) -> int:
     admission_target = pgqueuer_enqueue_per_s * TARGET_ADMISSION_FRACTION
     meets_ratio = ratio >= TARGET_RATIO and http_ratio >= TARGET_HTTP_RATIO
     meets_admission = admitted_per_s >= admission_target
+    rss_medians = {
+        f"rss_mb_{name}_{form}": _median_or_none(rss[form][name], 1)
+        for form in FORMS
+        for name in rss[form]
+    }
+    meets_rss = all(
+        (end := rss_medians[f"rss_mb_{who}_end_{form}"]) is not None
+        and (mark := rss_medians[f"rss_mb_{who}_10pct_{form}"]) is not None
+        and end <= mark * (1 + TARGET_RSS_GROWTH)
+        for form in FORMS
+        for who in ("node", "worker")
+    )
     result: dict[str, Any] = {
         "admitted_per_s": round(admitted_per_s, 1),
         "direct_worked_per_s": round(statistics.median(worked["direct"]), 1),
         "http_worked_per_s": round(statistics.median(worked["http"]), 1),
         "pgqueuer_worked_per_s": round(statistics.median(reference), 1),
         "pgqueuer_enqueue_per_s": round(pgqueuer_enqueue_per_s, 1),
+        "procrastinate_worked_per_s": round(statistics.median(procrastinate), 1),
         "ratio": round(ratio, 3),
         "http_ratio": round(http_ratio, 3),
+        "procrastinate_ratio": round(statistics.median(procrastinate_ratios), 3),
         "target_ratio": TARGET_RATIO,
         "target_http_ratio": TARGET_HTTP_RATIO,
         "meets_ratio_target": meets_ratio,
         "target_admitted_per_s": round(admission_target, 1),
         "meets_admission_target": meets_admission,
-        "meets_target": meets_ratio and meets_admission,
+        **rss_medians,
+        "target_rss_growth": TARGET_RSS_GROWTH,
+        "meets_rss_target": meets_rss,
+        "meets_target": meets_ratio and meets_admission and meets_rss,
         **{
             f"cpu_ms_per_attempt_{name}_{form}": _median_or_none(cpu[form][name])
             for form in FORMS
@@ -478,6 +608,7 @@ def main(args: argparse.Namespace, admin: str) -> int:
         **{f"{form}_worked_per_s_per_round": [round(v, 1) for v in worked[form]] for form in FORMS},
         "pgqueuer_worked_per_s_per_round": [round(v, 1) for v in reference],
         "pgqueuer_enqueue_per_s_per_round": [round(v, 1) for v in enqueued],
+        "procrastinate_worked_per_s_per_round": [round(v, 1) for v in procrastinate],
         **{f"{form}_ratio_per_round": [round(v, 3) for v in ratios[form]] for form in FORMS},
         "node_flags": node_command,
         "ingress": (
@@ -488,6 +619,9 @@ def main(args: argparse.Namespace, admin: str) -> int:
         "pgqueuer": (
             f"{pgqueuer_version} asyncpg max_concurrent_tasks={SLOTS}"
             f" batch_size={PGQUEUER_BATCH} drain"
+        ),
+        "procrastinate": (
+            f"{procrastinate_version} psycopg run_worker_async(concurrency={SLOTS}, wait=False)"
         ),
         "peak_rss_mb": peak_rss_mb(),
         "total_seconds": round(total.seconds(), 1),
@@ -516,6 +650,11 @@ def main(args: argparse.Namespace, admin: str) -> int:
         ("http_worked_per_s", result["http_worked_per_s"], "worker spawn -> all succeeded"),
         ("pgqueuer_worked_per_s", result["pgqueuer_worked_per_s"], result["pgqueuer"]),
         (
+            "procrastinate_worked_per_s",
+            result["procrastinate_worked_per_s"],
+            result["procrastinate"],
+        ),
+        (
             "ratio",
             result["ratio"],
             f"direct / PgQueuer, per-round median; target >= {TARGET_RATIO}",
@@ -526,6 +665,11 @@ def main(args: argparse.Namespace, admin: str) -> int:
             f"http / PgQueuer, per-round median; target >= {TARGET_HTTP_RATIO}",
         ),
         ("meets_ratio_target", meets_ratio, "both ratios"),
+        (
+            "procrastinate_ratio",
+            result["procrastinate_ratio"],
+            "direct / Procrastinate, per-round median; reported",
+        ),
     ]
     for form in FORMS:
         rows += [
@@ -545,7 +689,21 @@ def main(args: argparse.Namespace, admin: str) -> int:
                 postgres_note,
             ),
         ]
+        for who, what in (("node", "ql3 serve"), ("worker", "ql3 worker and its slot processes")):
+            rows += [
+                (
+                    f"rss_mb_{who}_{when}_{form}",
+                    _or_dash(result[f"rss_mb_{who}_{when}_{form}"]),
+                    f"{what}, {label}",
+                )
+                for when, label in (("10pct", "a tenth of the runs done"), ("end", "all done"))
+            ]
     rows += [
+        (
+            "meets_rss_target",
+            meets_rss,
+            f"every end within {TARGET_RSS_GROWTH:.0%} of its 10 % mark",
+        ),
         ("meets_target", result["meets_target"], "every target"),
         ("node_flags", "-", result["node_flags"]),
         ("ingress", "-", result["ingress"]),
@@ -554,8 +712,8 @@ def main(args: argparse.Namespace, admin: str) -> int:
         ("total_seconds", result["total_seconds"], ""),
     ]
     print_table(
-        "No-op throughput: one node + one worker (8 slots), direct and http, vs PgQueuer (8 slots),"
-        " medians",
+        "No-op throughput: one node + one worker (8 slots), direct and http, vs PgQueuer and"
+        " Procrastinate (8 slots each), medians",
         rows,
     )
     if args.json:

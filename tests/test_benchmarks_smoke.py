@@ -246,8 +246,16 @@ def test_throughput_benchmark_reports_admission_work_and_pgqueuer(
             "http_worked_per_s",
             "pgqueuer_worked_per_s",
             "pgqueuer_enqueue_per_s",
+            "procrastinate_worked_per_s",
             "ratio",
             "http_ratio",
+            "procrastinate_ratio",
+            *(
+                f"rss_mb_{who}_{when}_{form}"
+                for who in ("node", "worker")
+                for when in ("10pct", "end")
+                for form in ("direct", "http")
+            ),
             "cpu_ms_per_attempt_node_http",
             "cpu_ms_per_attempt_worker_http",
             "cpu_ms_per_attempt_worker_direct",
@@ -265,12 +273,24 @@ def test_throughput_benchmark_reports_admission_work_and_pgqueuer(
     http = float(result["http_worked_per_s"])  # type: ignore[arg-type]
     assert ratio == pytest.approx(direct / theirs, rel=0.01)
     assert http_ratio == pytest.approx(http / theirs, rel=0.01)
+    second = float(result["procrastinate_worked_per_s"])  # type: ignore[arg-type]
+    assert float(result["procrastinate_ratio"]) == pytest.approx(  # type: ignore[arg-type]
+        direct / second, rel=0.01
+    )
+    assert result["meets_rss_target"] is all(
+        float(result[f"rss_mb_{who}_end_{form}"])  # type: ignore[arg-type]
+        <= 1.1 * float(result[f"rss_mb_{who}_10pct_{form}"])  # type: ignore[arg-type]
+        for who in ("node", "worker")
+        for form in ("direct", "http")
+    )
     assert result["meets_ratio_target"] is (ratio >= 1.0 and http_ratio >= 0.5)
     admitted = float(result["admitted_per_s"])  # type: ignore[arg-type]
     enqueued = float(result["pgqueuer_enqueue_per_s"])  # type: ignore[arg-type]
     assert result["meets_admission_target"] is (admitted >= enqueued / 3)
     assert result["meets_target"] is (
-        result["meets_ratio_target"] and result["meets_admission_target"]
+        result["meets_ratio_target"]
+        and result["meets_admission_target"]
+        and result["meets_rss_target"]
     )
     # The node and the worker run at their defaults, but for the worker's slots.
     assert str(result["node_flags"]).startswith("ql3 serve --port 0 --ingress-database-url ")
