@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import secrets
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -40,7 +39,7 @@ from typing import Any, ClassVar
 
 from benchmarks.common import BenchmarkError, connect
 from benchmarks.private_server import free_port
-from benchmarks.processes import Process, Processes, direct_worker_argv, role_url
+from benchmarks.processes import Process, Processes, direct_worker_argv
 from benchmarks.tasks import LEDGER, record
 from benchmarks.throughput import asyncpg_dsn, install_pgqueuer, serve_pgqueuer
 
@@ -194,7 +193,11 @@ class Ql3(System):
             port = free_port()
             urls.append(f"http://127.0.0.1:{port}")
             self.add(f"node-{index}", partial(self._node, port))
-        direct_url = self._worker_role() if self.settings.ql3_workers == "direct" else None
+        direct_url = (
+            self.processes.grant_login_role(WORKER_ROLE)
+            if self.settings.ql3_workers == "direct"
+            else None
+        )
         for index, url in enumerate(urls):
             worker_id = f"chaos-worker-{index}"
             if direct_url is None:
@@ -204,19 +207,6 @@ class Ql3(System):
                 argv = direct_worker_argv(direct_url, worker_id, self.worker_flags)
                 spawn = partial(self.processes.start, worker_id, argv)
             self.add(worker_id, spawn, worker=True)
-
-    def _worker_role(self) -> str:
-        """A login role holding the ingress's grants for the direct workers; its URL."""
-        password = secrets.token_urlsafe(16)
-        self.processes.ql3(
-            "db",
-            "grant-ingress",
-            WORKER_ROLE,
-            "--password-env",
-            "QL3_BENCH_WORKER_PASSWORD",
-            env={"QL3_BENCH_WORKER_PASSWORD": password},
-        )
-        return role_url(self.database_url, WORKER_ROLE, password)
 
     def _node(self, port: int) -> Process:
         process, _ = self.processes.start_node(self.node_flags, port)

@@ -132,6 +132,15 @@ def direct_worker_argv(database_url: str, worker_id: str, flags: Sequence[str]) 
     ]
 
 
+def shown_argv(argv: list[str]) -> str:
+    """A command line as printed: database URLs without their passwords."""
+    shown = list(argv)
+    for index, flag in enumerate(shown[:-1]):
+        if flag in ("--ingress-database-url", "--database-url"):
+            shown[index + 1] = make_url(shown[index + 1]).render_as_string(hide_password=True)
+    return "ql3 " + " ".join(shown)
+
+
 class Processes:
     """The cluster processes of one benchmark; a context manager that stops them all.
     ``database_url`` None: the children get no ``QL3_DATABASE_URL`` (a Standalone process names
@@ -240,6 +249,22 @@ class Processes:
         if done.returncode != 0:
             detail = " ".join(done.stderr.split())[-300:]
             raise BenchmarkError(f"ql3 {' '.join(argv)} failed ({done.returncode}): {detail}")
+
+    def grant_login_role(self, role: str) -> str:
+        """``ql3 db grant-ingress ROLE`` with a fresh password: a login role holding the
+        ingress's grants (a direct worker's, or a node's ``--ingress-database-url``); the
+        benchmark's database URL signed in as it."""
+        assert self.database_url is not None
+        password = secrets.token_urlsafe(16)
+        self.ql3(
+            "db",
+            "grant-ingress",
+            role,
+            "--password-env",
+            "QL3_BENCH_ROLE_PASSWORD",
+            env={"QL3_BENCH_ROLE_PASSWORD": password},
+        )
+        return role_url(self.database_url, role, password)
 
 
 @contextmanager

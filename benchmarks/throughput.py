@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import secrets
 import signal
 import statistics
 import time
@@ -76,13 +75,13 @@ from benchmarks.common import (
     throwaway_database,
 )
 from benchmarks.processes import (
-    APP_SPEC,
     Process,
     Processes,
     ServerCpu,
+    direct_worker_argv,
     ingress_role,
     node_argv,
-    role_url,
+    shown_argv,
     tree_cpu_seconds,
     tree_rss_mb,
     worker_argv,
@@ -417,15 +416,6 @@ def _median_or_none(values: list[float | None], digits: int = 3) -> float | None
     return round(statistics.median(known), digits) if known else None
 
 
-def _shown_argv(argv: list[str]) -> str:
-    """A command line as printed: database URLs without their passwords."""
-    shown = list(argv)
-    for index, flag in enumerate(shown[:-1]):
-        if flag in ("--ingress-database-url", "--database-url"):
-            shown[index + 1] = make_url(shown[index + 1]).render_as_string(hide_password=True)
-    return "ql3 " + " ".join(shown)
-
-
 FORMS = ("direct", "http")
 """The two forms of a worker (ADR 0026): ``direct`` calls the fenced functions on the database
 as a login role of ``ql3 db grant-ingress``; ``http`` goes through the node's ingress."""
@@ -465,16 +455,7 @@ def main(args: argparse.Namespace, admin: str) -> int:
         asyncio.run(install_pgqueuer(dsn))
         procrastinate_dsn = asyncpg_dsn(procrastinate_url)
         asyncio.run(_install_procrastinate(procrastinate_dsn))
-        password = secrets.token_urlsafe(16)
-        processes.ql3(
-            "db",
-            "grant-ingress",
-            role,
-            "--password-env",
-            "QL3_BENCH_INGRESS_PASSWORD",
-            env={"QL3_BENCH_INGRESS_PASSWORD": password},
-        )
-        login_url = role_url(url, role, password)
+        login_url = processes.grant_login_role(role)
         if args.ingress_login_role:
             node_flags += ["--ingress-database-url", login_url]
         container = build(database_url=url)
@@ -483,19 +464,10 @@ def main(args: argparse.Namespace, admin: str) -> int:
             node, node_url = processes.start_node(node_flags)
             workers = {
                 "http": worker_argv(node_url, WORKER_ID, WORKER_FLAGS),
-                "direct": [
-                    "worker",
-                    "--database-url",
-                    login_url,
-                    "--app",
-                    APP_SPEC,
-                    "--worker-id",
-                    WORKER_ID,
-                    *WORKER_FLAGS,
-                ],
+                "direct": direct_worker_argv(login_url, WORKER_ID, WORKER_FLAGS),
             }
-            node_command = _shown_argv(node_argv(node_flags))
-            shown = {form: _shown_argv(argv) for form, argv in workers.items()}
+            node_command = shown_argv(node_argv(node_flags))
+            shown = {form: shown_argv(argv) for form, argv in workers.items()}
             say(
                 f"throughput: {runs:,} no-op runs per side and round, {args.rounds} round(s);"
                 f" node: {node_command}; workers: {shown['direct']} | {shown['http']};"

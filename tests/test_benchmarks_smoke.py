@@ -344,31 +344,42 @@ def test_latency_benchmark_reports_idle_and_load_percentiles_against_pgqueuer(
         pg_server.admin_url,
     )
     result = _last_json(done)
+    sides = ("direct", "http", "pgqueuer")
     keys = tuple(
-        f"{side}{phase}_{figure}_ms"
-        for side in ("", "pgqueuer_")
+        f"{side}_{phase}_{figure}_ms"
+        for side in sides
         for phase in ("idle", "load")
         for figure in ("p50", "p99")
     )
-    _positive_numbers(result, (*keys, "load_achieved_per_s", "pgqueuer_load_achieved_per_s"))
+    _positive_numbers(result, (*keys, *(f"{side}_load_achieved_per_s" for side in sides)))
     ms = {key: _number(result, key) for key in result if key.endswith("_ms")}
-    for side in ("", "pgqueuer_"):
+    for side in sides:
         for phase in ("idle", "load"):
-            prefix = f"{side}{phase}"
+            prefix = f"{side}_{phase}"
             assert ms[f"{prefix}_p50_ms"] <= ms[f"{prefix}_p99_ms"] <= ms[f"{prefix}_max_ms"]
     assert (result["idle_runs"], result["load_runs"]) == (3, 10)
     assert (result["rate_per_s"], result["seconds"]) == (20.0, 0.5)
-    assert result["meets_idle_p50_target"] is (ms["idle_p50_ms"] <= 10)
-    assert result["meets_idle_p99_target"] is (ms["idle_p99_ms"] <= 50)
-    assert ms["target_load_p99_ms"] == pytest.approx(2 * ms["pgqueuer_load_p99_ms"], abs=0.01)
-    assert result["meets_load_p99_target"] is (ms["load_p99_ms"] <= ms["target_load_p99_ms"])
-    assert result["meets_target"] is all(
-        result[f"meets_{name}_target"] for name in ("idle_p50", "idle_p99", "load_p99")
-    )
+    bounds = {
+        "direct_idle_p50": 5.0,
+        "direct_idle_p99": 20.0,
+        "direct_load_p99": 2 * ms["pgqueuer_load_p99_ms"],
+        "http_idle_p50": 10.0,
+        "http_load_p99": 3 * ms["pgqueuer_load_p99_ms"],
+    }
+    for name, bound in bounds.items():
+        assert ms[f"target_{name}_ms"] == pytest.approx(bound, abs=0.01), name
+        assert result[f"meets_{name}_target"] is (ms[f"{name}_ms"] <= ms[f"target_{name}_ms"])
+    assert result["meets_target"] is all(result[f"meets_{name}_target"] for name in bounds)
     assert result["node_flags"] == "ql3 serve --port 0"
-    assert str(result["worker_flags"]).endswith(" --concurrency 8")
+    assert str(result["http_worker_flags"]).startswith("ql3 worker --ingress http://")
+    direct_flags = str(result["direct_worker_flags"])
+    assert direct_flags.startswith("ql3 worker --database-url postgresql"), direct_flags
+    assert "***" in direct_flags, "the direct worker's password is printed"
+    for form in ("direct", "http"):
+        assert str(result[f"{form}_worker_flags"]).endswith(" --concurrency 8")
     table = done.stdout.strip().splitlines()[:-1]
     assert any(line.startswith("pgqueuer_load_p99_ms") for line in table), done.stdout
+    assert any(line.startswith("direct_idle_p50_ms") for line in table), done.stdout
     _assert_no_databases_left(pg_server, before)
 
 
